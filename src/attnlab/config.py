@@ -1,0 +1,279 @@
+"""Typed, frozen configs. One `ModelConfig` drives every Transformer variant.
+
+Every field is a plain string, bool or number, so the YAML of a run says exactly what ran and
+round-trips exactly. Invalid combinations raise `ConfigError` in `__post_init__`, naming the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or combination that cannot run. The message names the key(s) at fault."""
+
+
+# The valid values of each string-valued ablation axis; `one_of` error messages list them.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
+    "norm": ("layernorm", "rmsnorm"),
+    "norm_position": ("post", "pre", "sandwich"),
+    "ffn": ("relu", "gelu", "reglu", "geglu", "swiglu"),
+    "block": ("serial", "parallel"),
+    "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
+    "tie_embeddings": ("none", "decoder", "all"),
+    "attention_backend": ("sdpa", "flash_attn", "eager"),
+    "init": ("xavier", "normal"),
+}
+GATED_FFNS = ("reglu", "geglu", "swiglu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one model. Defaults are the 2017 base Transformer (Vaswani et al., arXiv:1706.03762)."""
+
+    arch: str = "encoder_decoder"
+    vocab_size: int = 32000  # target vocabulary (and source too when src_vocab_size is 0)
+    src_vocab_size: int = 0  # 0 = same as vocab_size (joint vocabulary)
+    d_model: int = 512
+    n_heads: int = 8
+    n_kv_heads: int = 0  # 0 = n_heads (MHA); 1 = MQA (Shazeer 2019); in between = GQA (Ainslie et al. 2023)
+    n_enc_layers: int = 6  # used by encoder_decoder and encoder_only
+    n_dec_layers: int = 6  # used by encoder_decoder and decoder_only
+    d_ff: int = 0  # 0 = derived: 4*d for relu/gelu, 8/3*d rounded up to ffn_multiple_of for gated FFNs
+    ffn_multiple_of: int = 256
+    max_seq_len: int = 1024  # size of a learned position table; positions beyond it are an error
+    norm: str = "layernorm"
+    norm_position: str = "post"
+    norm_eps: float = 1e-5
+    ffn: str = "relu"
+    attn_bias: bool = True
+    ffn_bias: bool = True
+    norm_bias: bool = True  # LayerNorm's additive bias; RMSNorm has none by definition
+    block: str = "serial"
+    qk_norm: bool = False
+    position: str = "sinusoidal"
+    rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # share of each head's dims that rotate (GPT-NeoX rotary_pct)
+    tie_embeddings: str = "all"
+    scale_embeddings: bool = True
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+    logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c) (Gemma 2)
+    attn_softcap: float = 0.0  # 0 = off; else scores = c * tanh(scores / c) (Gemma 2)
+    z_loss: float = 0.0  # coefficient of alpha * log(Z)^2 (PaLM); applied by the training loss
+    attention_backend: str = "sdpa"
+    init: str = "xavier"
+    init_std: float = 0.02  # std of normal init (init="normal")
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        for key, valid in CHOICES.items():
+            one_of(key, getattr(self, key), valid)
+        positive = ["vocab_size", "d_model", "n_heads", "max_seq_len", "ffn_multiple_of"]
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
+        for key in ["src_vocab_size", "n_kv_heads", "d_ff", "n_enc_layers", "n_dec_layers", "pad_id"]:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 0")
+        for key in ["norm_eps", "rope_theta"]:
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
+        for key in ["dropout", "attn_dropout"]:
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        for key in ["logit_softcap", "attn_softcap", "z_loss", "init_std"]:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 0")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
+        if self.arch in ("encoder_decoder", "encoder_only") and self.n_enc_layers < 1:
+            raise ConfigError(f"model.arch={self.arch} needs model.n_enc_layers >= 1")
+        if self.arch in ("encoder_decoder", "decoder_only") and self.n_dec_layers < 1:
+            raise ConfigError(f"model.arch={self.arch} needs model.n_dec_layers >= 1")
+        if self.pad_id >= self.vocab_size or self.pad_id >= self.source_vocab_size:
+            raise ConfigError(f"model.pad_id={self.pad_id} is outside the vocabulary (model.vocab_size)")
+        shared = self.tie_embeddings == "all" and self.arch == "encoder_decoder"
+        if shared and self.source_vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"model.tie_embeddings=all shares one table, but model.src_vocab_size={self.src_vocab_size} "
+                f"differs from model.vocab_size={self.vocab_size}"
+            )
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ConfigError(f"model.rope_fraction={self.rope_fraction} must be in (0, 1]")
+        if self.position == "rope" and self.rotary_dim % 2:
+            raise ConfigError(
+                f"model.position=rope needs an even rotary dimension; head_dim={self.head_dim} with "
+                f"model.rope_fraction={self.rope_fraction} gives {self.rotary_dim}"
+            )
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {self.d_model}")
+        if self.attn_softcap > 0 and self.attention_backend == "sdpa":
+            raise ConfigError(
+                "model.attn_softcap needs model.attention_backend=eager or flash_attn: "
+                "PyTorch SDPA cannot modify scores before the softmax"
+            )
+        if self.position == "alibi" and self.attention_backend == "flash_attn":
+            raise ConfigError("model.position=alibi is not supported with model.attention_backend=flash_attn")
+        if self.d_ff and self.d_ff < 1:
+            raise ConfigError(f"model.d_ff={self.d_ff} must be >= 1")
+
+    # ----- derived values (no state: computed from the fields) -----
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def source_vocab_size(self) -> int:
+        return self.src_vocab_size or self.vocab_size
+
+    @property
+    def gated(self) -> bool:
+        return self.ffn in GATED_FFNS
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the FFN. Gated FFNs keep parameters ~equal to 4d by using 8/3 d (Shazeer 2020)."""
+        if self.d_ff:
+            return self.d_ff
+        if not self.gated:
+            return 4 * self.d_model
+        hidden = int(8 * self.d_model / 3)
+        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre- and sandwich-norm stacks end in a norm; a post-norm stack's last sublayer already normalised."""
+        return self.norm_position != "post"
+
+    # ----- serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], path: str = "model") -> ModelConfig:
+        return from_dict(cls, d, path)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path) -> ModelConfig:
+        return cls.from_dict(load_yaml(text_or_path))
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict dict <-> dataclass helpers, shared by every config class.
+# ---------------------------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+def one_of(key: str, value: Any, valid: tuple[str, ...], prefix: str = "model") -> None:
+    if value not in valid:
+        raise ConfigError(f"{prefix}.{key}={value!r} is not one of: {', '.join(valid)}")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:  # an int is a valid float (YAML writes 1.0 as 1.0, but users write 1)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, typing.get_args(tp)[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def check_types(obj: Any, prefix: str | None = None) -> None:
+    """Raise ConfigError naming the field when a dataclass field holds a value of the wrong type."""
+    prefix = prefix or type(obj).__name__.replace("Config", "").lower()
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if not _type_ok(value, hints[f.name]):
+            raise ConfigError(
+                f"{prefix}.{f.name}={value!r} has type {type(value).__name__}, expected {_type_name(hints[f.name])}"
+            )
+    # ints given for float fields become floats, so a config compares and serialises the same either way
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if hints[f.name] is float and isinstance(value, int):
+            object.__setattr__(obj, f.name, float(value))
+
+
+def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
+    """Build dataclass `cls` from `d`, rejecting unknown keys (with close matches) and wrong types."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must be a mapping, got {type(d).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        import difflib
+
+        hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+        detail = ", ".join(f"{path}.{k}" + (f" (did you mean {path}.{h[0]}?)" if h else "") for k, h in hints.items())
+        raise ConfigError(f"unknown config key(s): {detail}")
+    hints_t = typing.get_type_hints(cls)
+    for k, v in d.items():
+        if not _type_ok(v, hints_t[k]):
+            raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {_type_name(hints_t[k])}")
+    return cls(**d)
+
+
+def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
+    """Parse YAML from a path or a string; errors name the file."""
+    p = Path(text_or_path) if not (isinstance(text_or_path, str) and "\n" in text_or_path) else None
+    if p is not None and p.suffix in (".yaml", ".yml", ".json") or (p is not None and p.exists()):
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        source, text = str(p), p.read_text(encoding="utf-8")
+    else:
+        source, text = "<string>", str(text_or_path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    return data

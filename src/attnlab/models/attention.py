@@ -1,0 +1,199 @@
+"""Multi-head attention: self or cross, MHA/GQA/MQA, QK-norm, RoPE, ALiBi, soft-capping, KV cache.
+
+Backends: `sdpa` (torch.nn.functional.scaled_dot_product_attention, which picks the flash or
+memory-efficient kernel when the inputs allow), `flash_attn` (the flash-attn package), and `eager`
+(reference math in plain PyTorch that can return the attention weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import apply_rope, make_norm
+
+
+@dataclass
+class Mask:
+    """What a query may attend to, built once per forward and shared by every layer.
+
+    `bias` is None (everything visible, or `causal` alone) or a tensor broadcastable to (B, H, Tq, Tk):
+    bool (True = attend) or float (added to the scores: ALiBi and -inf for hidden keys).
+    `key_pad` (B, Tk), True at padding, is kept for backends that take lengths instead of a mask.
+    """
+
+    causal: bool = False  # top-left aligned causal mask with Tq == Tk, left to the kernel
+    bias: torch.Tensor | None = None
+    key_pad: torch.Tensor | None = None
+
+
+class KVCache:
+    """Keys and values per decoder layer for incremental decoding.
+
+    Self-attention entries grow by the new tokens at each step; cross-attention entries are computed
+    once from the encoder output and reused. `pos` counts the tokens already in the cache.
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.pos = 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search: keep the surviving hypotheses)."""
+        for store in (self.self_kv, self.cross_kv):
+            for i, kv in enumerate(store):
+                if kv is not None:
+                    store[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+
+
+def flash_attn_module():
+    """Import flash-attn or fail with the install hint."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "model.attention_backend=flash_attn needs the flash-attn package: pip install 'attnlab[flash]' "
+            "(CUDA only), or use attention_backend=sdpa"
+        ) from e
+    return flash_attn
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention (Vaswani et al. 2017, section 3.2) with grouped K/V heads.
+
+    GQA (Ainslie et al. 2023, arXiv:2305.13245) shares each K/V head among n_heads / n_kv_heads query
+    heads; MQA (Shazeer 2019, arXiv:1911.02150) is n_kv_heads = 1. QK-norm normalises queries and keys
+    per head before RoPE (Dehghani et al. 2023, arXiv:2302.05442; as in Qwen3).
+    """
+
+    def __init__(self, cfg: ModelConfig, cross: bool = False) -> None:
+        super().__init__()
+        self.cross = cross
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        if cross:  # queries from the decoder, keys/values from the encoder output
+            self.q_proj = nn.Linear(d, q_dim, bias=cfg.attn_bias)
+            self.kv_proj = nn.Linear(d, 2 * kv_dim, bias=cfg.attn_bias)
+        else:  # one fused projection: a single matmul for Q, K and V
+            self.qkv_proj = nn.Linear(d, q_dim + 2 * kv_dim, bias=cfg.attn_bias)
+        self.out_proj = nn.Linear(q_dim, d, bias=cfg.attn_bias)
+        self.q_norm = make_norm(cfg, self.hd) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.hd) if cfg.qk_norm else None
+        self.backend = cfg.attention_backend
+        self.softcap = cfg.attn_softcap
+        self.dropout = cfg.attn_dropout
+        self.keep_weights = False  # eager backend: store the last attention weights in .weights
+        self.weights: torch.Tensor | None = None
+        if self.backend == "flash_attn":
+            flash_attn_module()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: Mask,
+        memory: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        if self.cross:
+            q = self.q_proj(x).view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
+            cached = cache.cross_kv[layer] if cache is not None else None
+            if cached is None:
+                assert memory is not None, "cross-attention needs the encoder output"
+                S = memory.shape[1]
+                kv = self.kv_proj(memory).view(B, S, 2, self.n_kv, self.hd)  # (B, S, 2, Hkv, hd)
+                k, v = kv.unbind(2)  # (B, S, Hkv, hd) each
+                k = self.k_norm(k) if self.k_norm is not None else k
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, hd)
+                if cache is not None:
+                    cache.cross_kv[layer] = (k, v)
+            else:
+                k, v = cached
+            q = self.q_norm(q) if self.q_norm is not None else q
+            q = q.transpose(1, 2)  # (B, H, T, hd)
+        else:
+            qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) hd)
+            q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+            q = q.view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
+            k = k.view(B, T, self.n_kv, self.hd)  # (B, T, Hkv, hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+            if rope is not None:  # rotate new queries and keys at their absolute positions
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H|Hkv, T, hd)
+            if cache is not None:
+                past = cache.self_kv[layer]
+                if past is not None:
+                    k = torch.cat((past[0], k), dim=2)  # (B, Hkv, Tpast + T, hd)
+                    v = torch.cat((past[1], v), dim=2)
+                cache.self_kv[layer] = (k, v)
+        y = self._attend(q, k, v, mask)  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)  # (B, T, H*hd)
+        return self.out_proj(y)  # (B, T, d)
+
+    # ------------------------------------------------------------------------------------------
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if self.backend == "eager" or self.keep_weights:
+            return self._eager(q, k, v, mask, p)
+        if self.backend == "flash_attn":
+            return self._flash(q, k, v, mask, p)
+        gqa = {"enable_gqa": True} if self.n_kv != self.n_heads else {}
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.bias, dropout_p=p, is_causal=mask.causal and mask.bias is None, **gqa
+        )  # (B, H, T, hd)
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float) -> torch.Tensor:
+        """Reference math: softmax(q k^T / sqrt(hd) + bias) v, in fp32 for the softmax."""
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, Tk, hd)
+        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.hd)  # (B, H, Tq, Tk)
+        if self.softcap:  # Gemma 2 (arXiv:2408.00118): keep scores in (-c, c)
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if mask.causal:
+            Tq, Tk = scores.shape[-2:]
+            allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask.bias is not None:
+            if mask.bias.dtype == torch.bool:
+                scores = scores.masked_fill(~mask.bias, float("-inf"))
+            else:
+                scores = scores + mask.bias
+        w = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
+        if self.keep_weights:
+            self.weights = w.detach()
+        w = F.dropout(w, p) if p else w
+        return w.to(v.dtype) @ v  # (B, H, Tq, hd)
+
+    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float) -> torch.Tensor:
+        """flash-attn (Dao 2023): (B, T, H, hd) layout; padded keys go through the varlen kernel."""
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+        if mask.bias is not None and mask.key_pad is None:
+            raise ValueError("attention_backend=flash_attn cannot apply an arbitrary mask; use sdpa or eager")
+        B, H, Tq, hd = q.shape
+        Tk = k.shape[2]
+        causal = mask.causal or (not self.cross and Tq > 1 and Tq != Tk and mask.bias is None)
+        extra = {"softcap": self.softcap} if self.softcap else {}
+        qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H|Hkv, hd)
+        if mask.key_pad is None:
+            # flash-attn aligns a causal mask bottom-right, which is what a cached prefix needs
+            return flash_attn_func(qf, kf, vf, dropout_p=p, causal=causal, **extra).transpose(1, 2)
+        keep = ~mask.key_pad  # (B, Tk)
+        k_lens = keep.sum(1, dtype=torch.int32)  # (B,)
+        cu_k = F.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))  # (B+1,)
+        cu_q = torch.arange(0, (B + 1) * Tq, Tq, dtype=torch.int32, device=q.device)  # every query kept
+        out = flash_attn_varlen_func(
+            qf.reshape(B * Tq, H, hd), kf[keep], vf[keep], cu_q, cu_k, Tq, int(k_lens.max()),
+            dropout_p=p, causal=causal, **extra,
+        )  # (B*Tq, H, hd)
+        return out.view(B, Tq, H, hd).transpose(1, 2)  # (B, H, Tq, hd)

@@ -1,0 +1,157 @@
+"""Norms, feed-forward networks and position encodings. Each variant cites where it was defined."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, no centring and no bias (Zhang & Sennrich 2019, arXiv:1910.07467)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # statistics in fp32 even under bf16 autocast, as Llama does
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
+        return self.weight * xf.type_as(x)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """LayerNorm (Ba et al. 2016, arXiv:1607.06450) or RMSNorm, as the config says."""
+    dim = dim or cfg.d_model
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Feed-forward
+# ----------------------------------------------------------------------------------------------
+_ACTIVATIONS = {
+    "relu": F.relu,  # Vaswani et al. 2017
+    "gelu": F.gelu,  # Hendrycks & Gimpel 2016 (exact erf form, as BERT and GPT-NeoX)
+    "reglu": F.relu,  # GLU variants: Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202
+    "geglu": F.gelu,
+    "swiglu": F.silu,
+}
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN. Gated variants compute act(x W_gate) * (x W_up), with W_gate and W_up fused in fc1."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.gated
+        self.act = _ACTIVATIONS[cfg.ffn]
+        hidden = cfg.ffn_dim
+        self.fc1 = nn.Linear(cfg.d_model, hidden * (2 if self.gated else 1), bias=cfg.ffn_bias)
+        self.fc2 = nn.Linear(hidden, cfg.d_model, bias=cfg.ffn_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # (B, T, ff) or (B, T, 2*ff) when gated
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)  # (B, T, ff) each
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.fc2(h)  # (B, T, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Absolute positions (added to embeddings)
+# ----------------------------------------------------------------------------------------------
+def sinusoidal_positions(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...) (Vaswani et al. 2017, section 3.5).
+
+    Sines and cosines are interleaved as in the paper's formula. No table: any length works.
+    """
+    inv_freq = torch.exp(
+        torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
+    )  # (d/2,)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, d/2)
+    pe = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (T, d/2, 2)
+    return pe.flatten(-2)  # (T, d)
+
+
+class AbsolutePositions(nn.Module):
+    """Sinusoidal or learned absolute positions, added to the (scaled) token embeddings."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind = cfg.position
+        self.max_len = cfg.max_seq_len
+        self.dim = cfg.d_model
+        if self.kind == "learned":  # Gehring et al. 2017 (ConvS2S); Vaswani et al. 2017 Table 3 row (E)
+            self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+
+    def forward(self, start: int, length: int, device: torch.device) -> torch.Tensor:
+        if self.kind == "learned" and start + length > self.max_len:
+            raise ValueError(
+                f"sequence of {start + length} positions is longer than the learned position table "
+                f"(model.max_seq_len={self.max_len}); raise max_seq_len or truncate the input"
+            )
+        pos = torch.arange(start, start + length, device=device)  # (T,)
+        if self.kind == "learned":
+            return self.table(pos)  # (T, d)
+        return sinusoidal_positions(pos, self.dim)  # (T, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Relative positions inside attention
+# ----------------------------------------------------------------------------------------------
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding tables (Su et al. 2021, RoFormer, arXiv:2104.09864), rotate-half layout (GPT-NeoX, Llama)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim)
+    )  # (r/2,)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, r/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, r)
+    return emb.cos(), emb.sin()  # fp32 tables; apply_rope casts them to the activations' dtype
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `r` dims of each head; the rest pass through (partial rotary, GPT-NeoX rotary_pct)."""
+    r = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]  # (B, H, T, r), (B, H, T, hd-r)
+    x1, x2 = x_rot.chunk(2, dim=-1)  # (B, H, T, r/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, H, T, r)
+    out = x_rot * cos + rotated * sin  # cos/sin: (T, r) broadcast over (B, H)
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Head slopes of ALiBi (Press et al. 2022, arXiv:2108.12409): geometric 2^(-8/n), 2^(-16/n), ...
+
+    For a head count that is not a power of two, the paper takes the slopes of the closest smaller
+    power of two and adds every other slope of twice that many heads.
+    """
+
+    def pow2_slopes(n: int) -> list[float]:
+        start = 2 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = pow2_slopes(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = pow2_slopes(closest) + pow2_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)  # (H,)
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Bias -m * |i - j| added to scores; symmetric, so it also serves a bidirectional encoder."""
+    dist = (q_pos[:, None] - k_pos[None, :]).abs().float()  # (Tq, Tk)
+    return -slopes[:, None, None] * dist[None]  # (H, Tq, Tk)

@@ -1,0 +1,214 @@
+"""EncoderDecoder, DecoderOnly and Encoder, built from one ModelConfig. Plain PyTorch: no Lightning, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import KVCache, Mask
+from .block import Block
+from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
+
+
+def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
+    """Token ids outside the table are a clear error here, not an index error deep inside a kernel."""
+    if ids.dim() != 2:
+        raise ValueError(f"{what} token ids must have shape (batch, length), got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what} token ids must be int64 or int32, got {ids.dtype}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {vocab}) (model.vocab_size)")
+
+
+class Stack(nn.Module):
+    """Token embedding (+ absolute positions) -> N blocks -> final norm (pre/sandwich only)."""
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding, n_layers: int, causal: bool, cross: bool) -> None:
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        self.embed = embed
+        self.positions = AbsolutePositions(cfg) if cfg.position in ("sinusoidal", "learned") else None
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
+        self.norm = make_norm(cfg) if cfg.final_norm else None
+        if cfg.position == "alibi":
+            self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def _self_mask(self, Tq: int, Tk: int, start: int, key_pad: torch.Tensor | None, device) -> Mask:
+        alibi = self.cfg.position == "alibi"
+        allowed = None  # bool, broadcastable to (B, H, Tq, Tk), True = attend
+        if key_pad is not None:  # encoder: hide padded keys
+            allowed = ~key_pad[:, None, None, :]  # (B, 1, 1, Tk)
+        if self.causal and Tq > 1 and (Tq != Tk or alibi):  # explicit causal mask, bottom-right aligned
+            allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)  # (Tq, Tk)
+        if alibi:
+            q_pos = torch.arange(start, start + Tq, device=device)
+            bias = alibi_bias(self.slopes, q_pos, torch.arange(Tk, device=device))  # (H, Tq, Tk)
+            if allowed is not None:
+                bias = torch.where(allowed, bias, float("-inf"))  # (B|1, H, Tq, Tk)
+            return Mask(bias=bias, key_pad=key_pad)
+        # no mask tensor for plain causal attention, so SDPA may pick its flash kernel
+        return Mask(causal=self.causal and Tq > 1 and Tq == Tk, bias=allowed, key_pad=key_pad)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        memory_pad: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        T = ids.shape[1]
+        start = cache.pos if cache is not None else 0
+        x = self.embed(ids) * self.embed_scale  # (B, T, d)
+        if self.positions is not None:
+            x = x + self.positions(start, T, ids.device)  # (B, T, d) + (T, d)
+        x = self.drop(x)
+        key_pad = ids.eq(self.cfg.pad_id) if not self.causal else None  # (B, T) True at padding
+        mask = self._self_mask(T, start + T, start, key_pad, ids.device)
+        cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
+        rope = None
+        if self.cfg.position == "rope":
+            pos = torch.arange(start, start + T, device=ids.device)  # (T,)
+            rope = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)  # (T, r) each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, memory=memory, cross_mask=cross_mask, rope=rope, cache=cache, layer=i)  # (B, T, d)
+        if cache is not None:
+            cache.pos += T
+        return self.norm(x) if self.norm is not None else x  # (B, T, d)
+
+
+class _Model(nn.Module):
+    """Shared parts: output head (tied or not), logit soft-capping, initialisation."""
+
+    cfg: ModelConfig
+
+    def _make_head(self, tie: bool) -> None:
+        self.head = None if tie else nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
+
+    def output_embedding(self) -> nn.Embedding:
+        """The table the head shares when tied: the embedding of the last stack."""
+        return self.decoder.embed if hasattr(self, "decoder") else self.encoder.embed
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Project hidden states to the vocabulary; soft-cap when configured (Gemma 2, arXiv:2408.00118)."""
+        out = self.head(h) if self.head is not None else F.linear(h, self.output_embedding().weight)  # (B, T, V)
+        if self.cfg.logit_softcap:
+            out = self.cfg.logit_softcap * torch.tanh(out / self.cfg.logit_softcap)
+        return out
+
+    def reset_parameters(self) -> None:
+        """xavier: Xavier-uniform per projection, N(0, d^-1/2) embeddings (fairseq's Transformer).
+        normal: N(0, init_std), residual output projections scaled by 1/sqrt(2 * layers) (GPT-2)."""
+        cfg = self.cfg
+        n_layers = cfg.n_enc_layers * (cfg.arch != "decoder_only") + cfg.n_dec_layers * (cfg.arch != "encoder_only")
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                if cfg.init == "xavier":
+                    # a fused projection is initialised as its separate parts would be
+                    if name.endswith("qkv_proj"):
+                        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+                        parts = [q_dim, kv_dim, kv_dim]
+                    elif name.endswith("kv_proj"):
+                        parts = [cfg.kv_heads * cfg.head_dim] * 2
+                    elif name.endswith("fc1") and cfg.gated:
+                        parts = [cfg.ffn_dim] * 2
+                    else:
+                        parts = [m.weight.shape[0]]
+                    for w in m.weight.data.split(parts, dim=0):
+                        nn.init.xavier_uniform_(w)
+                else:
+                    std = cfg.init_std
+                    if name.endswith(("out_proj", "fc2")):
+                        std = std / math.sqrt(2 * n_layers)
+                    nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                std = cfg.d_model**-0.5 if cfg.init == "xavier" else cfg.init_std
+                nn.init.normal_(m.weight, 0.0, std)
+
+
+class EncoderDecoder(_Model):
+    """The Transformer of Vaswani et al. 2017 (arXiv:1706.03762) and its variants."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        shared = cfg.tie_embeddings == "all"  # one table for source, target and output (Press & Wolf 2017)
+        src_embed = tgt_embed if shared else nn.Embedding(cfg.source_vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, src_embed, cfg.n_enc_layers, causal=False, cross=False)
+        self.decoder = Stack(cfg, tgt_embed, cfg.n_dec_layers, causal=True, cross=True)
+        self._make_head(tie=cfg.tie_embeddings != "none")
+        self.reset_parameters()
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B, S) padded with pad_id -> memory (B, S, d), src_pad (B, S) True at padding."""
+        check_ids(src, self.cfg.source_vocab_size, "source")
+        return self.encoder(src), src.eq(self.cfg.pad_id)
+
+    def decode(
+        self, tgt: torch.Tensor, memory: torch.Tensor, src_pad: torch.Tensor, cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """tgt (B, T): the whole target prefix, or with a cache only the new tokens -> logits (B, T, V)."""
+        check_ids(tgt, self.cfg.vocab_size, "target")
+        h = self.decoder(tgt, memory=memory, memory_pad=src_pad, cache=cache)  # (B, T, d)
+        return h if return_hidden else self.logits(h)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        memory, src_pad = self.encode(src)  # (B, S, d), (B, S)
+        return self.decode(tgt, memory, src_pad, return_hidden=return_hidden)  # (B, T, V)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_dec_layers)
+
+
+class DecoderOnly(_Model):
+    """A causal language model (GPT: Radford et al. 2018; Llama: Touvron et al. 2023)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.decoder = Stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model), cfg.n_dec_layers, causal=True, cross=False)
+        self._make_head(tie=cfg.tie_embeddings != "none")
+        self.reset_parameters()
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, V). With a cache, ids are the new tokens after cache.pos."""
+        check_ids(ids, self.cfg.vocab_size, "input")
+        h = self.decoder(ids, cache=cache)  # (B, T, d)
+        return h if return_hidden else self.logits(h)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_dec_layers)
+
+
+class Encoder(_Model):
+    """A bidirectional encoder with a vocabulary head (BERT-style, Devlin et al. 2019)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, embed, cfg.n_enc_layers, causal=False, cross=False)
+        self._make_head(tie=cfg.tie_embeddings != "none")
+        self.reset_parameters()
+
+    def forward(self, ids: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        """ids (B, T) padded with pad_id -> logits (B, T, V) (or hidden states (B, T, d))."""
+        check_ids(ids, self.cfg.vocab_size, "input")
+        h = self.encoder(ids)  # (B, T, d)
+        return h if return_hidden else self.logits(h)
+
+
+def build_model(cfg: ModelConfig) -> EncoderDecoder | DecoderOnly | Encoder:
+    return {"encoder_decoder": EncoderDecoder, "decoder_only": DecoderOnly, "encoder_only": Encoder}[cfg.arch](cfg)

@@ -1,0 +1,98 @@
+"""ModelConfig: validation names the fields at fault, YAML round-trips exactly, strict dict loading."""
+
+import dataclasses
+
+import pytest
+
+from attnlab.config import CHOICES, ConfigError, ModelConfig
+
+
+def test_defaults_are_the_2017_base_transformer():
+    cfg = ModelConfig()
+    assert (cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.n_enc_layers, cfg.n_dec_layers) == (512, 8, 2048, 6, 6)
+    assert (cfg.norm, cfg.norm_position, cfg.ffn, cfg.position) == ("layernorm", "post", "relu", "sinusoidal")
+    assert cfg.tie_embeddings == "all" and cfg.scale_embeddings and cfg.dropout == 0.1
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"ffn": "swiglu", "norm": "rmsnorm", "position": "rope", "n_kv_heads": 2, "qk_norm": True},
+        {"arch": "decoder_only", "block": "parallel", "logit_softcap": 30.0, "attn_softcap": 50.0,
+         "attention_backend": "eager", "z_loss": 1e-4, "rope_theta": 500000.0, "dropout": 0.0},
+        {"norm_position": "sandwich", "tie_embeddings": "none", "src_vocab_size": 1000, "d_ff": 1234},
+    ],
+)
+def test_yaml_round_trip_is_exact(changes):
+    cfg = ModelConfig(**changes)
+    back = ModelConfig.from_yaml(cfg.to_yaml())
+    assert back == cfg
+    assert back.to_yaml() == cfg.to_yaml()
+
+
+def test_ints_for_float_fields_are_normalised():
+    cfg = ModelConfig.from_dict({"rope_theta": 10000, "dropout": 0})
+    assert isinstance(cfg.rope_theta, float) and cfg == ModelConfig(rope_theta=10000.0, dropout=0.0)
+
+
+def test_gated_ffn_width_is_eight_thirds_rounded_up():
+    assert ModelConfig(ffn="swiglu", d_model=512).ffn_dim == 1536  # 1365.3 -> multiple of 256
+    assert ModelConfig(ffn="geglu", d_model=768, ffn_multiple_of=64).ffn_dim == 2048
+    assert ModelConfig(ffn="gelu", d_model=768).ffn_dim == 3072
+    assert ModelConfig(ffn="swiglu", d_ff=100).ffn_dim == 100
+
+
+@pytest.mark.parametrize(
+    "changes, fields",
+    [
+        ({"d_model": 100, "n_heads": 8}, ["d_model", "n_heads"]),
+        ({"n_heads": 8, "n_kv_heads": 3}, ["n_heads", "n_kv_heads"]),
+        ({"attn_softcap": 30.0}, ["attn_softcap", "attention_backend"]),
+        ({"position": "alibi", "attention_backend": "flash_attn"}, ["position", "attention_backend"]),
+        ({"tie_embeddings": "all", "src_vocab_size": 10}, ["tie_embeddings", "src_vocab_size"]),
+        ({"arch": "decoder_only", "n_dec_layers": 0}, ["arch", "n_dec_layers"]),
+        ({"dropout": 1.0}, ["dropout"]),
+        ({"position": "rope", "d_model": 24, "n_heads": 8}, ["position", "rope_fraction"]),
+        ({"rope_fraction": 0.0}, ["rope_fraction"]),
+        ({"pad_id": 99, "vocab_size": 50}, ["pad_id"]),
+        ({"vocab_size": 0}, ["vocab_size"]),
+    ],
+)
+def test_invalid_combinations_name_the_fields(changes, fields):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**changes)
+    for f in fields:
+        assert f"model.{f}" in str(e.value)
+
+
+@pytest.mark.parametrize("key", list(CHOICES))
+def test_unknown_choice_lists_the_valid_ones(key):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**{key: "bogus"})
+    assert f"model.{key}='bogus'" in str(e.value)
+    assert all(v in str(e.value) for v in CHOICES[key])
+
+
+def test_unknown_and_mistyped_keys_are_rejected_with_the_key_path():
+    with pytest.raises(ConfigError, match=r"model\.nrom.*did you mean model\.norm"):
+        ModelConfig.from_dict({"nrom": "rmsnorm"})
+    with pytest.raises(ConfigError, match=r"model\.d_model='512'.*expected int"):
+        ModelConfig.from_dict({"d_model": "512"})
+    with pytest.raises(ConfigError, match=r"model\.qk_norm=1 .*expected bool"):
+        ModelConfig.from_dict({"qk_norm": 1})
+    with pytest.raises(ConfigError, match=r"model\.dropout=True"):
+        ModelConfig(dropout=True)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ModelConfig().d_model = 3
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("d_model: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        ModelConfig.from_yaml(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        ModelConfig.from_yaml(tmp_path / "missing.yaml")

@@ -1,0 +1,128 @@
+"""Positions and accounting against their papers' formulas and textbook counts; bad input is a clear error."""
+
+import math
+import sys
+import time
+
+import pytest
+import torch
+
+from attnlab.config import ModelConfig
+from attnlab.models import build_model
+from attnlab.models.accounting import count_parameters, flops_per_token, layer_parameters, training_flops
+from attnlab.models.layers import RMSNorm, alibi_bias, alibi_slopes, apply_rope, rope_cos_sin, sinusoidal_positions
+
+
+def test_sinusoidal_matches_the_paper_formula():
+    d, T = 16, 50
+    pe = sinusoidal_positions(torch.arange(T), d)
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert math.isclose(pe[pos, 2 * i].item(), math.sin(angle), abs_tol=1e-5)
+            assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(angle), abs_tol=1e-5)
+
+
+def test_alibi_slopes_match_the_paper():
+    # Press et al. 2022, section 3: 8 heads -> 1/2^1 ... 1/2^8
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)]))
+    # 16 heads start at 1/sqrt(2) and multiply by it
+    assert torch.allclose(alibi_slopes(16), torch.tensor([2.0 ** (-0.5 * i) for i in range(1, 17)]))
+    # 12 heads (not a power of two): the 8-head slopes, then every other slope of 16 heads
+    expected = [2.0**-i for i in range(1, 9)] + [2.0 ** (-0.5 * i) for i in range(1, 17)][0::2][:4]
+    assert torch.allclose(alibi_slopes(12), torch.tensor(expected))
+    b = alibi_bias(alibi_slopes(2), torch.arange(3), torch.arange(3))  # (2, 3, 3)
+    assert b[0, 2, 0] == -alibi_slopes(2)[0] * 2 and b[1, 1, 1] == 0 and b[0, 0, 2] == b[0, 2, 0]
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def score(m, n):
+        cq, sq = rope_cos_sin(torch.tensor([m]), 8, 10000.0)
+        ck, sk = rope_cos_sin(torch.tensor([n]), 8, 10000.0)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
+
+    assert math.isclose(score(3, 1), score(10, 8), rel_tol=1e-5)
+    assert math.isclose(score(0, 0), (q * k).sum().item(), rel_tol=1e-5)
+    assert not math.isclose(score(3, 1), score(3, 2), rel_tol=1e-3)
+    # partial rotary: the dims past the rotary width pass through unchanged
+    c, s = rope_cos_sin(torch.tensor([5]), 4, 10000.0)
+    out = apply_rope(q, c, s)
+    assert torch.equal(out[..., 4:], q[..., 4:]) and not torch.allclose(out[..., :4], q[..., :4])
+
+
+def test_rmsnorm_matches_formula():
+    x = torch.randn(3, 8)
+    n = RMSNorm(8, eps=1e-6)
+    torch.testing.assert_close(n(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_bert_base_layer_is_7084800_parameters():
+    cfg = ModelConfig(arch="encoder_only", d_model=768, n_heads=12, d_ff=3072, ffn="gelu", attn_bias=False,
+                      ffn_bias=True, norm="layernorm", vocab_size=30522)
+    assert layer_parameters(cfg) == 7_084_800
+
+
+def test_base_and_big_transformer_counts():
+    base = count_parameters(ModelConfig(vocab_size=37000))
+    # shared 37k table + 6 encoder layers (3,152,384 each) + 6 decoder layers (4,204,032 each)
+    assert base["embeddings"] == 37000 * 512
+    assert base["encoder.self_attention"] == 6 * (4 * 512 * 512 + 4 * 512)
+    assert base["total"] == 37000 * 512 + 6 * 3_152_384 + 6 * 4_204_032
+    big = count_parameters(ModelConfig(vocab_size=37000, d_model=1024, n_heads=16, d_ff=4096))
+    assert 200e6 < big["total"] < 215e6
+
+
+def test_accounting_scales_instantly_to_billions():
+    cfg = ModelConfig(arch="decoder_only", vocab_size=128256, d_model=8192, n_heads=64, n_kv_heads=8,
+                      n_dec_layers=80, d_ff=28672, ffn="swiglu", norm="rmsnorm", norm_position="pre",
+                      position="rope", attn_bias=False, ffn_bias=False, tie_embeddings="none")
+    t = time.perf_counter()
+    n = count_parameters(cfg)["total"]
+    assert time.perf_counter() - t < 0.1
+    assert n == 70_553_706_496  # Llama-3-70B's published size (70.6B)
+
+
+def test_flops_are_6n_plus_attention():
+    cfg = ModelConfig(arch="decoder_only", vocab_size=1000, d_model=64, n_heads=4, n_dec_layers=2,
+                      position="rope", norm_position="pre", tie_embeddings="none")
+    n = count_parameters(cfg)
+    non_embedding = n["total"] - n["embeddings"]  # the head is a matmul and counts
+    T = 128
+    assert flops_per_token(cfg, T) == pytest.approx(6 * non_embedding + 12 * 2 * 64 * T)
+    ed = ModelConfig(vocab_size=1000, d_model=64, n_heads=4, n_enc_layers=1, n_dec_layers=1)
+    f = training_flops(ed, seq_len=10, src_len=30)
+    assert f["encoder.attention"] == 12 * 64 * 30 * 30 and f["decoder.cross_attention"] == 12 * 64 * 10 * 30
+    assert f["per_token"] == f["total"] / 10
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+    model = build_model(ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_enc_layers=1, n_dec_layers=1))
+    ok = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"source token id 10 is outside the vocabulary \[0, 10\)"):
+        model(torch.tensor([[1, 10]]), ok)
+    with pytest.raises(ValueError, match="target token id -1"):
+        model(ok, torch.tensor([[1, -1]]))
+    with pytest.raises(TypeError, match="int64 or int32"):
+        model(ok.float(), ok)
+    with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
+        model(ok[0], ok)
+
+
+def test_sequence_longer_than_learned_table_is_a_clear_error():
+    cfg = ModelConfig(arch="decoder_only", vocab_size=10, d_model=16, n_heads=2, n_dec_layers=1,
+                      position="learned", max_seq_len=8)
+    model = build_model(cfg)
+    model(torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"9 positions.*model.max_seq_len=8"):
+        model(torch.ones(1, 9, dtype=torch.long))
+
+
+def test_flash_attn_backend_without_the_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails even where it is installed
+    cfg = ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_enc_layers=1, n_dec_layers=1,
+                      attention_backend="flash_attn")
+    with pytest.raises(ImportError, match=r"attnlab\[flash\]"):
+        build_model(cfg)
