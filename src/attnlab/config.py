@@ -36,9 +36,34 @@ CHOICES: dict[str, tuple[str, ...]] = {
 GATED_FFNS = ("reglu", "geglu", "swiglu")
 
 
+class StrictConfig:
+    """Strict dict/YAML loading shared by every config dataclass: unknown keys and wrong types are errors."""
+
+    prefix: typing.ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], path: str | None = None):
+        return from_dict(cls, d, path or cls.prefix)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path):
+        return cls.from_dict(load_yaml(text_or_path))
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(StrictConfig):
     """Architecture of one model. Defaults are the 2017 base Transformer (Vaswani et al., arXiv:1706.03762)."""
+
+    prefix: typing.ClassVar[str] = "model"
 
     arch: str = "encoder_decoder"
     vocab_size: int = 32000  # target vocabulary (and source too when src_vocab_size is 0)
@@ -166,24 +191,6 @@ class ModelConfig:
         """Pre- and sandwich-norm stacks end in a norm; a post-norm stack's last sublayer already normalised."""
         return self.norm_position != "post"
 
-    # ----- serialisation -----
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], path: str = "model") -> ModelConfig:
-        return from_dict(cls, d, path)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, text_or_path: str | Path) -> ModelConfig:
-        return cls.from_dict(load_yaml(text_or_path))
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
 
 # ---------------------------------------------------------------------------------------------
 # Strict dict <-> dataclass helpers, shared by every config class.
@@ -225,7 +232,7 @@ def _type_name(tp: Any) -> str:
 
 def check_types(obj: Any, prefix: str | None = None) -> None:
     """Raise ConfigError naming the field when a dataclass field holds a value of the wrong type."""
-    prefix = prefix or type(obj).__name__.replace("Config", "").lower()
+    prefix = prefix or getattr(obj, "prefix", "") or type(obj).__name__.lower()
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -277,3 +284,49 @@ def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation, training and decoding
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OptimConfig(StrictConfig):
+    """AdamW and the learning-rate schedule. Defaults: the paper's Adam and Noam schedule."""
+
+    prefix: typing.ClassVar[str] = "optim"
+
+    lr: float = 1.0  # peak lr; for schedule=noam the scale factor of d^-0.5 * min(s^-0.5, s * w^-1.5)
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    decay_norms_biases_embeddings: bool = False  # False: those parameters get no weight decay
+    schedule: str = "noam"  # noam | inverse_sqrt | cosine | wsd | constant
+    warmup_steps: int = 4000
+    min_lr_ratio: float = 0.0  # floor of cosine and wsd, as a fraction of lr
+    decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying
+    max_steps: int = 100000  # the schedule's horizon (cosine, wsd)
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+    accumulate: int = 1  # gradient accumulation steps
+    label_smoothing: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_types(self, "optim")
+        one_of("schedule", self.schedule, ("noam", "inverse_sqrt", "cosine", "wsd", "constant"), "optim")
+        for key in ("lr", "eps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be > 0")
+        for key in ("beta1", "beta2", "label_smoothing"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
+        for key in ("min_lr_ratio", "decay_fraction"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be in [0, 1]")
+        for key in ("weight_decay", "grad_clip", "warmup_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 0")
+        for key in ("max_steps", "accumulate"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
+        if self.schedule == "noam" and self.warmup_steps < 1:
+            raise ConfigError("optim.schedule=noam needs optim.warmup_steps >= 1")

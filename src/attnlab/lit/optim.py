@@ -1,0 +1,103 @@
+"""AdamW parameter groups, learning-rate schedules and the training loss. No Lightning here, so
+everything is testable on its own; the LightningModules call these."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import OptimConfig
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two groups: decayed matrices, and (unless asked otherwise) undecayed norms, biases and embeddings."""
+    if cfg.weight_decay == 0 or cfg.decay_norms_biases_embeddings:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": cfg.weight_decay}]
+    no_decay: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, nn.Embedding) or p.dim() < 2 or name == "bias":
+                no_decay.add(id(p))  # norms' gains and every bias are 1-D; embeddings are lookups
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if id(p) not in no_decay], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019); with weight_decay 0 it is the paper's Adam. Fused on CUDA."""
+    fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(
+        param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )
+
+
+def lr_factor(cfg: OptimConfig, d_model: int) -> Callable[[int], float]:
+    """Multiplier of `cfg.lr` at optimizer step `step` (0-based; the first update uses step 0)."""
+    w, horizon = cfg.warmup_steps, cfg.max_steps
+
+    def warm(s: int) -> float:
+        return min(1.0, s / w) if w else 1.0
+
+    def noam(step: int) -> float:  # Vaswani et al. 2017, eq. (3): d^-0.5 * min(s^-0.5, s * w^-1.5)
+        s = step + 1
+        return d_model**-0.5 * min(s**-0.5, s * w**-1.5)
+
+    def inverse_sqrt(step: int) -> float:  # fairseq: linear warmup to lr, then lr * sqrt(w / s)
+        s = step + 1
+        return warm(s) if s < w else math.sqrt(max(w, 1) / s)
+
+    def cosine(step: int) -> float:  # linear warmup, then half a cosine down to min_lr_ratio at max_steps
+        s = step + 1
+        if s < w:
+            return warm(s)
+        progress = min(1.0, (s - w) / max(1, horizon - w))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def wsd(step: int) -> float:  # warmup-stable-decay (Hu et al. 2024, MiniCPM): linear decay at the end
+        s = step + 1
+        decay_start = horizon * (1 - cfg.decay_fraction)
+        if s < w:
+            return warm(s)
+        if s <= decay_start:
+            return 1.0
+        progress = min(1.0, (s - decay_start) / max(1.0, horizon - decay_start))
+        return 1.0 - (1 - cfg.min_lr_ratio) * progress
+
+    def constant(step: int) -> float:
+        return warm(step + 1)
+
+    return {"noam": noam, "inverse_sqrt": inverse_sqrt, "cosine": cosine, "wsd": wsd, "constant": constant}[
+        cfg.schedule
+    ]
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, d_model: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, d_model))
+
+
+def token_loss(
+    logits: torch.Tensor, target: torch.Tensor, pad_id: int, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed label-smoothed cross-entropy over non-padding tokens, plus z_loss * log(Z)^2 (PaLM).
+
+    Returns (loss_sum, nll_sum, n_tokens); the caller divides by the tokens of the batch. The smoothing is
+    Szegedy et al. 2016's, as fairseq's: (1 - eps) * nll + eps * mean over the vocabulary of -log p.
+    With log p_i = x_i - log Z this is log Z - (1 - eps) x_target - eps mean(x): no (N, V) log-softmax.
+    """
+    keep = target.reshape(-1).ne(pad_id)  # (N,)
+    x = logits.reshape(-1, logits.shape[-1])[keep].float()  # (n, V) real tokens only
+    tgt = target.reshape(-1)[keep]  # (n,)
+    log_z = torch.logsumexp(x, dim=-1)  # (n,)
+    x_tgt = x.gather(1, tgt[:, None]).squeeze(1)  # (n,)
+    nll = log_z - x_tgt  # (n,)
+    loss = nll if not label_smoothing else log_z - (1 - label_smoothing) * x_tgt - label_smoothing * x.mean(-1)
+    loss = loss.sum()
+    if z_loss:
+        loss = loss + z_loss * log_z.pow(2).sum()
+    return loss, nll.detach().sum(), keep.sum()
