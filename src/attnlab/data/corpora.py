@@ -1,0 +1,492 @@
+"""Text sources: parallel pairs for translation, documents for language modelling.
+
+`open_parallel(cfg)` / `open_documents(cfg)` turn `DataConfig.corpus` into a `Corpus`: one stream factory per
+split it ships with, and an identity (paths, sizes, mtimes) that keys the caches. `iter_split` routes examples
+to train/valid/test; a split the corpus lacks is carved out of train by a hash of the source text, so the same
+source string never lands in two splits and the split does not depend on order or seed.
+
+Text is passed on as read: only the line terminator is removed. gettext accelerator markers (`_File`, `&Open`)
+are kept on both sides: stripping them is lossy (`file_name`, `Tom & Jerry`) and the model can learn them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .config import DataConfig
+
+log = logging.getLogger("attnlab.data")
+
+SPLITS = ("train", "valid", "test")
+SPLIT_ALIASES = {"train": ("train",), "valid": ("valid", "validation", "dev"), "test": ("test",)}
+
+
+class DataError(ValueError):
+    """Bad input data or an unusable corpus. The message names the file and line, or the key, at fault."""
+
+
+@dataclass
+class Corpus:
+    """A source of examples: (src, tgt) pairs (parallel) or strings (documents)."""
+
+    name: str
+    kind: str  # "parallel" | "documents"
+    streams: dict[str, Callable[[], Iterator[Any]]]  # split -> fresh iterator; "train" always present
+    identity: list[Any] = field(default_factory=list)  # what the cache key hashes besides the settings
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting
+# ---------------------------------------------------------------------------------------------
+def hash_unit(text: str) -> float:
+    """A stable pseudo-random number in [0, 1) from a string (blake2b, so independent of PYTHONHASHSEED)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") / 2.0**64
+
+
+def iter_split(corpus: Corpus, valid_fraction: float, test_fraction: float) -> Iterator[tuple[str, Any]]:
+    """Yield (split, example) over the whole corpus. Missing valid/test splits come out of train by hash."""
+    carve: list[tuple[str, float]] = []
+    lo = 0.0
+    for split, frac in (("valid", valid_fraction), ("test", test_fraction)):
+        if split not in corpus.streams:
+            carve.append((split, lo + frac))  # hash in [lo, lo + frac) -> split
+            lo += frac
+    for split in SPLITS:
+        if split not in corpus.streams:
+            continue
+        for ex in corpus.streams[split]():
+            if split == "train" and carve:
+                u = hash_unit(ex[0] if corpus.kind == "parallel" else ex)
+                split_of = next((s for s, hi in carve if u < hi), "train")
+                yield split_of, ex
+            else:
+                yield split, ex
+
+
+# ---------------------------------------------------------------------------------------------
+# Line readers: strict UTF-8 with file:line in every error
+# ---------------------------------------------------------------------------------------------
+def _need_file(path: Path) -> Path:
+    if not path.is_file():
+        raise DataError(f"corpus file not found: {path}")
+    return path
+
+
+def count_lines(path: Path) -> int:
+    """Lines in a file, counting a last line without a newline; reads 1 MiB blocks (fast, flat memory)."""
+    n, last = 0, b"\n"
+    with open(_need_file(path), "rb") as f:
+        while block := f.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without its line terminator); invalid UTF-8 is a DataError naming file:line."""
+    with open(_need_file(path), "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: invalid UTF-8 at byte {e.start}: {raw[max(0, e.start - 20):e.end + 20]!r}"
+                                ) from None
+            yield i, line.rstrip("\r\n")
+
+
+def read_aligned(src_path: Path, tgt_path: Path) -> Iterator[tuple[str, str]]:
+    """Line-aligned parallel files (train.en / train.de): line i of one translates line i of the other."""
+    n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)  # checked before anything is read or trained
+    if n_src != n_tgt:
+        raise DataError(f"parallel files differ in length: {src_path} has {n_src} lines, {tgt_path} has {n_tgt}")
+    for (_, s), (_, t) in zip(read_lines(src_path), read_lines(tgt_path), strict=True):
+        yield s, t
+
+
+def read_tsv(path: Path) -> Iterator[tuple[str, str]]:
+    """`source<TAB>target` per line; empty lines are skipped, any other line needs exactly one tab."""
+    for i, line in read_lines(path):
+        if not line:
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2:
+            what = "no tab" if len(parts) == 1 else f"{len(parts)} tab-separated fields"
+            raise DataError(f"{path}:{i}: expected 'source<TAB>target', found {what}: {line[:80]!r}")
+        yield parts[0], parts[1]
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    for i, line in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _pair_from_record(rec: Any, src_lang: str, tgt_lang: str, where: str) -> tuple[str, str]:
+    """{"translation": {src_lang: .., tgt_lang: ..}} (Hugging Face WMT schema) or {"src": .., "tgt": ..}."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "translation" in rec:
+        tr = rec["translation"]
+        if not isinstance(tr, dict):
+            raise DataError(f"{where}: 'translation' must be an object with {src_lang!r} and {tgt_lang!r} keys")
+        for lang in (src_lang, tgt_lang):
+            if lang not in tr:
+                raise DataError(f"{where}: 'translation' has no key {lang!r} (keys: {sorted(tr)})")
+        src, tgt = tr[src_lang], tr[tgt_lang]
+    elif "src" in rec or "tgt" in rec:
+        for key in ("src", "tgt"):
+            if key not in rec:
+                raise DataError(f"{where}: record has no key {key!r}")
+        src, tgt = rec["src"], rec["tgt"]
+    else:
+        raise DataError(f"{where}: expected key 'translation' ({{{src_lang!r}: .., {tgt_lang!r}: ..}}) "
+                        f"or keys 'src' and 'tgt'; found {sorted(rec)}")
+    if not isinstance(src, str) or not isinstance(tgt, str):
+        raise DataError(f"{where}: source and target must be strings, got {type(src).__name__}, "
+                        f"{type(tgt).__name__}")
+    return src, tgt
+
+
+def read_jsonl_pairs(path: Path, src_lang: str, tgt_lang: str) -> Iterator[tuple[str, str]]:
+    for i, rec in _json_lines(path):
+        yield _pair_from_record(rec, src_lang, tgt_lang, f"{path}:{i}")
+
+
+def read_jsonl_docs(path: Path, key: str) -> Iterator[str]:
+    for i, rec in _json_lines(path):
+        if not isinstance(rec, dict) or key not in rec:
+            raise DataError(f"{path}:{i}: record has no key {key!r} (set data.text_field)")
+        if not isinstance(rec[key], str):
+            raise DataError(f"{path}:{i}: {key!r} must be a string, got {type(rec[key]).__name__}")
+        yield rec[key]
+
+
+def read_text_docs(path: Path) -> Iterator[str]:
+    """Plain text for LM: documents are separated by one or more blank lines; a document's lines keep their
+    newlines. A file with one document per line therefore needs blank lines between them (or use JSONL)."""
+    lines: list[str] = []
+    for _, line in read_lines(path):
+        if line.strip():
+            lines.append(line)
+        elif lines:
+            yield "\n".join(lines)
+            lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# gettext catalogs (.mo), parsed here: the format is 7 little- or big-endian uint32s and two tables
+# ---------------------------------------------------------------------------------------------
+def read_mo(path: Path) -> list[tuple[str, str]]:
+    """(English, translation) pairs of one compiled catalog. The "" header entry is skipped, msgctxt prefixes
+    (`ctx\\x04msgid`) removed, plural entries give (msgid, form 0) and (msgid_plural, form 1).
+    A malformed catalog raises DataError."""
+    data = path.read_bytes()
+    if len(data) < 28:
+        raise DataError(f"{path}: too short for a .mo catalog ({len(data)} bytes)")
+    magic = struct.unpack("<I", data[:4])[0]
+    order = "<" if magic == 0x950412DE else ">" if magic == 0xDE120495 else None
+    if order is None:
+        raise DataError(f"{path}: bad .mo magic number {magic:#010x}")
+    revision, n, orig_at, trans_at = struct.unpack(order + "4I", data[4:20])
+    if revision >> 16 > 1:
+        raise DataError(f"{path}: unsupported .mo major revision {revision >> 16}")
+    if max(orig_at, trans_at) + 8 * n > len(data):
+        raise DataError(f"{path}: string tables run past the end of the file (truncated?)")
+    raw: list[tuple[bytes, bytes]] = []
+    for i in range(n):
+        olen, ooff = struct.unpack_from(order + "2I", data, orig_at + 8 * i)
+        tlen, toff = struct.unpack_from(order + "2I", data, trans_at + 8 * i)
+        if ooff + olen > len(data) or toff + tlen > len(data):
+            raise DataError(f"{path}: entry {i} points past the end of the file (truncated?)")
+        raw.append((data[ooff:ooff + olen], data[toff:toff + tlen]))
+    charset = "utf-8"
+    for msgid, msgstr in raw:
+        if msgid == b"":  # the header entry: "Content-Type: text/plain; charset=UTF-8" and friends
+            for line in msgstr.decode("ascii", "replace").splitlines():
+                if line.lower().startswith("content-type:") and "charset=" in line:
+                    charset = line.split("charset=", 1)[1].strip() or "utf-8"
+    pairs: list[tuple[str, str]] = []
+    try:
+        for msgid, msgstr in raw:
+            if msgid == b"":
+                continue
+            src = msgid.decode(charset)
+            src = src.split("\x04", 1)[-1]  # msgctxt "\x04" msgid
+            srcs, tgts = src.split("\x00"), msgstr.decode(charset).split("\x00")
+            pairs.extend(zip(srcs[:2], tgts[:2], strict=False))  # singular/form 0, plural/form 1
+    except (UnicodeDecodeError, LookupError) as e:
+        raise DataError(f"{path}: cannot decode as {charset!r}: {e}") from None
+    return pairs
+
+
+def gettext_catalogs(locale_dir: str, lang: str) -> list[Path]:
+    d = Path(locale_dir) / lang / "LC_MESSAGES"
+    files = sorted(d.glob("*.mo")) if d.is_dir() else []
+    if not files:
+        raise DataError(f"gettext:{lang}: no compiled catalogs (*.mo) in {d}; install the language pack "
+                        f"(e.g. language-pack-{lang}) or set data.locale_dir")
+    return files
+
+
+def gettext_pairs(locale_dir: str, lang: str) -> list[tuple[str, str]]:
+    """Every (English, <lang>) pair of the machine's catalogs: deduplicated (first occurrence kept), pairs with
+    an empty side or identical sides dropped; unreadable catalogs are skipped with a warning naming them."""
+    seen: set[tuple[str, str]] = set()
+    out: list[tuple[str, str]] = []
+    skipped: list[str] = []
+    for path in gettext_catalogs(locale_dir, lang):
+        try:
+            pairs = read_mo(path)
+        except (DataError, OSError) as e:
+            log.warning("skipping broken gettext catalog %s: %s", path, e)
+            skipped.append(path.name)
+            continue
+        for src, tgt in pairs:
+            if not src.strip() or not tgt.strip() or src == tgt or (src, tgt) in seen:
+                continue
+            seen.add((src, tgt))
+            out.append((src, tgt))
+    if skipped:
+        log.warning("gettext:%s: skipped %d broken catalog(s): %s", lang, len(skipped), ", ".join(skipped))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face datasets: hub names (network or HF cache) and save_to_disk folders
+# ---------------------------------------------------------------------------------------------
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json"))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connect to the hub, so that offline a name fails in seconds, not after datasets' retries."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+           for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _offline_hub() -> Iterator[None]:
+    """datasets reads HF_HUB_OFFLINE at import; flip its module flags for one call (cache-only lookup)."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def load_hf(spec: str) -> dict[str, Any]:
+    """split -> datasets.Dataset, from a save_to_disk folder or a hub `name[:config]`."""
+    import datasets
+
+    path = Path(spec)
+    if path.exists():
+        if not is_saved_dataset(path):
+            raise DataError(f"{path}: not a dataset saved with save_to_disk (no dataset_dict.json or state.json)")
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:  # a damaged folder: arrow files missing or unreadable
+            raise DataError(f"{path}: cannot load the saved dataset: {type(e).__name__}: {e}") from None
+    else:
+        name, _, config = spec.partition(":")
+        online = _hub_reachable()
+        try:
+            with contextlib.nullcontext() if online else _offline_hub():
+                ds = datasets.load_dataset(name, config or None)
+        except Exception as e:
+            where = "" if online else " (the hub is unreachable and it is not in the Hugging Face cache)"
+            what = f"{name!r}" + (f" config {config!r}" if config else "")
+            raise DataError(
+                f"corpus hf:{spec}: cannot load Hugging Face dataset {what}"
+                f"{where}: {type(e).__name__}: {str(e)[:200]}. Offline, pass local files instead: a folder written "
+                f"by datasets' save_to_disk, a .tsv/.jsonl file, or line-aligned <prefix>.<src>/<prefix>.<tgt> files"
+            ) from None
+    if isinstance(ds, datasets.Dataset):
+        return {"train": ds}
+    out: dict[str, Any] = {}
+    for split, aliases in SPLIT_ALIASES.items():
+        for a in aliases:
+            if a in ds:
+                out[split] = ds[a]
+                break
+    if "train" not in out:
+        raise DataError(f"corpus {spec}: no train split (splits: {sorted(ds)})")
+    return out
+
+
+def _iter_hf_pairs(ds: Any, where: str, src_lang: str, tgt_lang: str) -> Iterator[tuple[str, str]]:
+    row = 0
+    for batch in ds.iter(batch_size=1000):  # column batches: much faster than row dicts
+        keys = list(batch)
+        for i in range(len(batch[keys[0]]) if keys else 0):
+            yield _pair_from_record({k: batch[k][i] for k in ("translation", "src", "tgt") if k in batch},
+                                    src_lang, tgt_lang, f"{where} row {row}")
+            row += 1
+
+
+def _iter_hf_docs(ds: Any, where: str, key: str) -> Iterator[str]:
+    if key not in ds.column_names:
+        raise DataError(f"{where}: no column {key!r} (columns: {ds.column_names}); set data.text_field")
+    for batch in ds.iter(batch_size=1000):
+        for i, text in enumerate(batch[key]):
+            if not isinstance(text, str):
+                raise DataError(f"{where} row {i}: {key!r} is {type(text).__name__}, not a string")
+            yield text
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec -> Corpus
+# ---------------------------------------------------------------------------------------------
+def file_identity(paths: list[Path]) -> list[Any]:
+    """Absolute paths with size and mtime: an edited file gets a new cache."""
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _dir_identity(path: Path) -> list[Any]:
+    return file_identity(sorted(p for p in path.rglob("*") if p.is_file()))
+
+
+def _split_files(d: Path, cfg: DataConfig, parallel: bool) -> dict[str, Callable[[], Iterator[Any]]]:
+    """A folder with per-split files: <split>.tsv, <split>.jsonl, <split>.<src>+<split>.<tgt> (parallel) or
+    <split>.txt / <split>.jsonl (documents); split names train, valid|validation|dev, test."""
+    streams: dict[str, Callable[[], Iterator[Any]]] = {}
+    for split, aliases in SPLIT_ALIASES.items():
+        for a in aliases:
+            opener = _file_opener(d / a, cfg, parallel)
+            if opener is not None:
+                streams[split] = opener
+                break
+    if "train" not in streams:
+        kinds = f"train.tsv, train.jsonl or train.{cfg.src_lang} + train.{cfg.tgt_lang}" if parallel \
+            else "train.txt or train.jsonl"
+        raise DataError(f"corpus folder {d}: no training data ({kinds})")
+    return streams
+
+
+def _file_opener(stem: Path, cfg: DataConfig, parallel: bool) -> Callable[[], Iterator[Any]] | None:
+    """The reader for `stem` as a file (by suffix) or a <stem>.<lang> pair; None when none exists."""
+    src_lang, tgt_lang = cfg.src_lang, cfg.tgt_lang
+    cands = [stem] + [stem.with_name(stem.name + s) for s in (".tsv", ".jsonl", ".json", ".txt")]
+    for p in cands:
+        if not p.is_file():
+            continue
+        if parallel and p.suffix == ".tsv":
+            return lambda p=p: read_tsv(p)
+        if parallel and p.suffix in (".jsonl", ".json"):
+            return lambda p=p: read_jsonl_pairs(p, src_lang, tgt_lang)
+        if not parallel and p.suffix in (".jsonl", ".json"):
+            return lambda p=p: read_jsonl_docs(p, cfg.text_field)
+        if not parallel and p.suffix == ".txt":
+            return lambda p=p: read_text_docs(p)
+    if parallel:
+        a, b = stem.with_name(f"{stem.name}.{src_lang}"), stem.with_name(f"{stem.name}.{tgt_lang}")
+        if a.is_file() or b.is_file():
+            _need_file(a), _need_file(b)
+            return lambda: read_aligned(a, b)
+    return None
+
+
+def open_parallel(cfg: DataConfig) -> Corpus:
+    """The (source, target) corpus that `cfg.corpus` names."""
+    spec = cfg.corpus
+    if spec.startswith("gettext:"):
+        lang = spec.split(":", 1)[1]
+        if lang != cfg.tgt_lang or cfg.src_lang != "en":
+            raise DataError(f"data.corpus={spec!r} pairs English with {lang!r}: set data.src_lang='en' and "
+                            f"data.tgt_lang={lang!r} (got {cfg.src_lang!r} -> {cfg.tgt_lang!r})")
+        files = gettext_catalogs(cfg.locale_dir, lang)
+        return Corpus(spec, "parallel", {"train": lambda: iter(gettext_pairs(cfg.locale_dir, lang))},
+                      ["gettext", file_identity(files)])
+    if spec.startswith("hf:") or is_saved_dataset(Path(spec)):
+        name = spec[3:] if spec.startswith("hf:") else spec
+        dsets = load_hf(name)
+        streams = {s: (lambda ds=ds, s=s: _iter_hf_pairs(ds, f"{spec} [{s}]", cfg.src_lang, cfg.tgt_lang))
+                   for s, ds in dsets.items()}
+        ident = _dir_identity(Path(name)) if Path(name).exists() else ["hf", name, _hf_fingerprints(dsets)]
+        return Corpus(spec, "parallel", streams, ident)
+    path = Path(spec)
+    if path.is_dir():
+        streams = _split_files(path, cfg, parallel=True)
+        return Corpus(spec, "parallel", streams, _dir_identity(path))
+    opener = _file_opener(path, cfg, parallel=True)
+    if opener is None:
+        if path.is_file():
+            raise DataError(f"corpus file {path}: unknown kind; translation reads .tsv, .jsonl, or line-aligned "
+                            f"<prefix>.{cfg.src_lang} / <prefix>.{cfg.tgt_lang} files")
+        raise DataError(f"corpus not found: {path} (no such file or folder, nor {path}.{cfg.src_lang} / "
+                        f"{path}.{cfg.tgt_lang})")
+    files = [p for p in (path, Path(f"{spec}.{cfg.src_lang}"), Path(f"{spec}.{cfg.tgt_lang}")) if p.is_file()]
+    return Corpus(spec, "parallel", {"train": opener}, file_identity(files))
+
+
+def open_documents(cfg: DataConfig) -> Corpus:
+    """The monolingual corpus that `cfg.corpus` names. `gettext:<lang>` (a parallel spec) reads as
+    `gettext-mono:<lang>`: the <lang> side, one string per document."""
+    spec = cfg.corpus
+    if spec.startswith(("gettext-mono:", "gettext:")):
+        parts = spec.split(":")
+        lang, side = parts[1], (parts[2] if len(parts) > 2 else parts[1])
+        if len(parts) > 3 or side not in (lang, "en"):
+            raise DataError(f"data.corpus={spec!r}: expected gettext-mono:<lang> or gettext-mono:<lang>:en")
+        files = gettext_catalogs(cfg.locale_dir, lang)
+
+        def docs() -> Iterator[str]:
+            seen: set[str] = set()
+            for src, tgt in gettext_pairs(cfg.locale_dir, lang):
+                text = src if side == "en" else tgt
+                if text not in seen:
+                    seen.add(text)
+                    yield text
+
+        return Corpus(spec, "documents", {"train": docs}, ["gettext-mono", side, file_identity(files)])
+    if spec.startswith("hf:") or is_saved_dataset(Path(spec)):
+        name = spec[3:] if spec.startswith("hf:") else spec
+        dsets = load_hf(name)
+        streams = {s: (lambda ds=ds, s=s: _iter_hf_docs(ds, f"{spec} [{s}]", cfg.text_field))
+                   for s, ds in dsets.items()}
+        ident = _dir_identity(Path(name)) if Path(name).exists() else ["hf", name, _hf_fingerprints(dsets)]
+        return Corpus(spec, "documents", streams, ident)
+    path = Path(spec)
+    if path.is_dir():
+        return Corpus(spec, "documents", _split_files(path, cfg, parallel=False), _dir_identity(path))
+    opener = _file_opener(path, cfg, parallel=False)
+    if opener is None:
+        if path.is_file():
+            raise DataError(f"corpus file {path}: unknown kind; language modelling reads .txt or .jsonl")
+        raise DataError(f"corpus not found: {path}")
+    return Corpus(spec, "documents", {"train": opener}, file_identity([path]))
+
+
+def _hf_fingerprints(dsets: dict[str, Any]) -> dict[str, str]:
+    return {s: getattr(ds, "_fingerprint", "") for s, ds in dsets.items()}

@@ -1,0 +1,390 @@
+"""Lightning datamodules: tokenizer + token caches built once (rank 0, `prepare_data`), memmaps opened in
+`setup`, token-count batches for translation and packed windows for language modelling.
+
+Cache layout under `data_dir`:
+  tokenizers/<corpus>-<hash>/   tokenizer.json (or src.json + tgt.json), meta.json, manifest.json
+  <corpus>-<hash>/              <split>.<side>.bin/.idx, valid.jsonl, test.jsonl (raw text), manifest.json
+The hashes cover the corpus identity (paths, sizes, mtimes) and every setting that changes the content.
+
+The samplers shard batches by rank themselves, so under DDP the Trainer must be built with
+`use_distributed_sampler=False` (the dataloaders refuse to run otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from .batching import (
+    PairDataset,
+    TokenArray,
+    TokenArrayWriter,
+    TokenBatchSampler,
+    WindowBatchSampler,
+    WindowDataset,
+    atomic_dir,
+    cache_is_valid,
+    collate_pairs,
+    collate_windows,
+    read_manifest,
+    token_dtype,
+    write_manifest,
+)
+from .config import CACHE_KEYS, TOKENIZER_KEYS, DataConfig
+from .corpora import SPLITS, Corpus, DataError, iter_split, open_documents, open_parallel
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, check_vocab_size, chunked
+
+log = logging.getLogger("attnlab.data")
+
+FORMAT = 1  # bump when the cache layout changes: old caches then no longer match and are rebuilt
+CHUNK = 20_000  # examples per encode_batch call: big enough for the Rust threads, small enough for flat RAM
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _slug(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", Path(spec).name or spec).strip("_")[:40] or "corpus"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+def _train_texts(corpus: Corpus, cfg: DataConfig, side: str) -> Iterator[str]:
+    """Training-split text for BPE: side 'src', 'tgt', 'both' (pairs interleaved) or 'doc'."""
+    limit = cfg.tokenizer_max_lines or None
+    n = 0
+    for split, ex in iter_split(corpus, cfg.valid_fraction, cfg.test_fraction):
+        if split != "train":
+            continue
+        if side == "doc":
+            yield ex
+        elif side == "both":
+            yield ex[0]
+            yield ex[1]
+        else:
+            yield ex[0] if side == "src" else ex[1]
+        n += 1
+        if limit is not None and n >= limit:
+            return
+
+
+def build_tokenizer(cfg: DataConfig, corpus: Corpus) -> tuple[Tokenizer, str]:
+    """Load the tokenizer for (corpus, settings) from the cache, training and caching it when absent."""
+    check_vocab_size(cfg.vocab_size)
+    settings = {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity,
+                **cfg.settings(TOKENIZER_KEYS)}
+    if corpus.kind == "documents":
+        settings["joint_vocab"] = True  # one text stream: there is nothing to separate
+    key = settings_hash(settings)
+    final = Path(cfg.data_dir) / "tokenizers" / f"{_slug(cfg.corpus)}-{key}"
+    if not cache_is_valid(final, settings):
+        t0 = time.perf_counter()
+        with atomic_dir(final) as tmp:
+            if corpus.kind == "documents":
+                tok = Tokenizer.train(_train_texts(corpus, cfg, "doc"), None, cfg.vocab_size, cfg.min_frequency)
+            elif cfg.joint_vocab:
+                tok = Tokenizer.train(_train_texts(corpus, cfg, "both"), None, cfg.vocab_size, cfg.min_frequency)
+            else:
+                tok = Tokenizer.train(_train_texts(corpus, cfg, "src"), _train_texts(corpus, cfg, "tgt"),
+                                      cfg.vocab_size, cfg.min_frequency)
+            tok.save(tmp)
+            write_manifest(tmp, settings, vocab_size=tok.vocab_size, src_vocab_size=tok.src_vocab_size)
+        log.info("trained BPE tokenizer (vocab %d) in %.1fs -> %s", tok.vocab_size, time.perf_counter() - t0, final)
+    return Tokenizer.load(final), key
+
+
+# ---------------------------------------------------------------------------------------------
+# Token caches
+# ---------------------------------------------------------------------------------------------
+def _cache_settings(cfg: DataConfig, corpus: Corpus, tok_key: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    return {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity, "tokenizer": tok_key,
+            **cfg.settings(keys)}
+
+
+def _check_splits(counts: dict[str, Counter], corpus: Corpus, key: str) -> None:
+    for split in SPLITS:
+        if counts[split][key] == 0:
+            seen = sum(c["read"] for c in counts.values())
+            if seen == 0:
+                raise DataError(f"corpus {corpus.name}: empty (no examples read)")
+            raise DataError(f"corpus {corpus.name}: split {split!r} is empty after filtering ({seen} examples "
+                            f"read; per split: { {s: dict(c) for s, c in counts.items()} }). Give more data or "
+                            f"raise data.valid_fraction / data.test_fraction")
+
+
+def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str) -> Path:
+    """Encode every split into memory-mapped arrays. Training pairs that are too long or too unbalanced are
+    dropped (Moses clean-corpus-n, on token counts); eval pairs are kept whole (BLEU needs the full test set)
+    and only their token ids are cut to max_len. Pairs with an empty side are dropped everywhere."""
+    settings = _cache_settings(cfg, corpus, tok_key, CACHE_KEYS)
+    final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-{settings_hash(settings)}"
+    if cache_is_valid(final, settings):
+        return final
+    t0 = time.perf_counter()
+    dtype = token_dtype(max(tok.vocab_size, tok.src_vocab_size))
+    counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
+    lim = cfg.max_len - 1  # room for the EOS / BOS the collate function adds
+    with atomic_dir(final) as tmp:
+        writers = {(s, side): TokenArrayWriter(tmp / f"{s}.{side}", dtype) for s in SPLITS for side in ("src", "tgt")}
+        texts = {s: open(tmp / f"{s}.jsonl", "w", encoding="utf-8") for s in ("valid", "test")}
+        try:
+            for chunk in chunked(iter_split(corpus, cfg.valid_fraction, cfg.test_fraction), CHUNK):
+                for split in SPLITS:
+                    pairs = [ex for s, ex in chunk if s == split]
+                    counts[split]["read"] += len(pairs)
+                    kept = [p for p in pairs if p[0].strip() and p[1].strip()]
+                    counts[split]["empty"] += len(pairs) - len(kept)
+                    if not kept:
+                        continue
+                    src = tok.encode_batch([p[0] for p in kept], side="src")
+                    tgt = tok.encode_batch([p[1] for p in kept], side="tgt")
+                    if split == "train":
+                        keep = []
+                        for i, (s, t) in enumerate(zip(src, tgt, strict=True)):
+                            if len(s) > lim or len(t) > lim:
+                                counts[split]["too_long"] += 1
+                            elif cfg.max_ratio and max(len(s), len(t)) > cfg.max_ratio * max(1, min(len(s), len(t))):
+                                counts[split]["ratio"] += 1
+                            else:
+                                keep.append(i)
+                        src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+                    else:
+                        counts[split]["truncated"] += sum(max(len(s), len(t)) > lim
+                                                          for s, t in zip(src, tgt, strict=True))
+                        src, tgt = [s[:lim] for s in src], [t[:lim] for t in tgt]
+                        texts[split].writelines(json.dumps({"src": s, "tgt": t}, ensure_ascii=False) + "\n"
+                                                for s, t in kept)
+                    writers[split, "src"].append(src)
+                    writers[split, "tgt"].append(tgt)
+                    counts[split]["kept"] += len(src)
+        finally:
+            for w in writers.values():
+                w.close()
+            for f in texts.values():
+                f.close()
+        _check_splits(counts, corpus, "kept")
+        stats = {s: {**dict(counts[s]), "src_tokens": writers[s, "src"].n_tokens,
+                     "tgt_tokens": writers[s, "tgt"].n_tokens} for s in SPLITS}
+        write_manifest(tmp, settings, dtype=dtype.name, stats=stats, vocab_size=tok.vocab_size,
+                       src_vocab_size=tok.src_vocab_size, seconds=round(time.perf_counter() - t0, 2))
+    for s in SPLITS:
+        c = counts[s]
+        log.info("%s: read %d pairs, kept %d (empty %d, too long %d, ratio > %g: %d, eval truncated %d)",
+                 s, c["read"], c["kept"], c["empty"], c["too_long"], cfg.max_ratio, c["ratio"], c["truncated"])
+    log.info("token cache built in %.1fs -> %s", time.perf_counter() - t0, final)
+    return final
+
+
+def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str) -> Path:
+    """Encode documents into one stream per split, each document followed by EOS."""
+    settings = _cache_settings(cfg, corpus, tok_key, TOKENIZER_KEYS)
+    final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-lm-{settings_hash(settings)}"
+    if cache_is_valid(final, settings):
+        return final
+    t0 = time.perf_counter()
+    counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
+    with atomic_dir(final) as tmp:
+        writers = {s: TokenArrayWriter(tmp / f"{s}.doc", token_dtype(tok.vocab_size)) for s in SPLITS}
+        try:
+            for chunk in chunked(iter_split(corpus, cfg.valid_fraction, cfg.test_fraction), CHUNK):
+                for split in SPLITS:
+                    raw = [d for s, d in chunk if s == split]
+                    docs = [d for d in raw if d.strip()]
+                    counts[split]["read"] += len(raw)
+                    counts[split]["empty"] += len(raw) - len(docs)
+                    if docs:
+                        writers[split].append([ids + [EOS_ID] for ids in tok.encode_batch(docs)])
+                        counts[split]["kept"] += len(docs)
+        finally:
+            for w in writers.values():
+                w.close()
+        _check_splits(counts, corpus, "kept")
+        stats = {s: {**dict(counts[s]), "tokens": writers[s].n_tokens} for s in SPLITS}
+        write_manifest(tmp, settings, dtype=token_dtype(tok.vocab_size).name, stats=stats,
+                       vocab_size=tok.vocab_size, seconds=round(time.perf_counter() - t0, 2))
+    log.info("LM token cache built in %.1fs -> %s", time.perf_counter() - t0, final)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Datamodules
+# ---------------------------------------------------------------------------------------------
+class _DataModule(L.LightningDataModule):
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    def __init__(self, cfg: DataConfig | None = None, seed: int = 1, **overrides: Any) -> None:
+        super().__init__()
+        cfg = cfg or DataConfig()
+        self.cfg = cfg.replace(**overrides) if overrides else cfg
+        self.seed = seed
+        self._tokenizer: Tokenizer | None = None
+        self.cache_dir: Path | None = None
+        self.manifest: dict[str, Any] = {}
+
+    # -- building -------------------------------------------------------------------------------
+    def _open_corpus(self) -> Corpus:
+        raise NotImplementedError
+
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Train the tokenizer and build the caches (Lightning runs this on one process per node)."""
+        check_vocab_size(self.cfg.vocab_size)
+        corpus = self._open_corpus()
+        tok, key = build_tokenizer(self.cfg, corpus)
+        self.cache_dir = self._build_cache(corpus, tok, key)
+        self._tokenizer = tok
+        self.manifest = read_manifest(self.cache_dir) or {}
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the tokenizer and open the caches (building them if `prepare_data` has not run here)."""
+        if self.cache_dir is None or self._tokenizer is None:
+            self.prepare_data()  # after Lightning's prepare_data barrier this only finds and loads the caches
+
+    # -- what the model config needs -----------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("the tokenizer is not loaded yet: call prepare_data() and setup() first")
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.tokenizer.src_vocab_size
+
+    # -- distribution ---------------------------------------------------------------------------
+    def rank_world(self) -> tuple[int, int]:
+        """(global rank, world size) from the attached Trainer, else torch.distributed, else (0, 1)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            if trainer.world_size > 1 and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+                raise DataError("the datamodule shards batches by rank itself: build the Trainer with "
+                                "use_distributed_sampler=False")
+            return trainer.global_rank, trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def _loader(self, dataset: Any, sampler: Any, collate: Any) -> DataLoader:
+        w = self.cfg.num_workers
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=w,
+                          pin_memory=torch.cuda.is_available(), persistent_workers=w > 0)
+
+    def _array(self, name: str) -> TokenArray:
+        self.setup()
+        assert self.cache_dir is not None
+        return TokenArray(self.cache_dir / name, self.manifest["dtype"])
+
+
+class TranslationDataModule(_DataModule):
+    """Parallel corpus -> batches of {src, tgt_in, tgt_out, src_lens, tgt_lens, ntokens, ids}.
+
+    dm = TranslationDataModule(DataConfig(corpus="gettext:de"), seed=1); dm.prepare_data(); dm.setup()
+    dm.vocab_size, dm.src_vocab_size, dm.pad_id / bos_id / eos_id, dm.tokenizer, dm.split_texts("test")
+    """
+
+    def _open_corpus(self) -> Corpus:
+        return open_parallel(self.cfg)
+
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
+        return build_translation_cache(self.cfg, corpus, tok, key)
+
+    def dataset(self, split: str) -> PairDataset:
+        split = _split_name(split)
+        return PairDataset(self._array(f"{split}.src"), self._array(f"{split}.tgt"))
+
+    def sampler(self, split: str, shuffle: bool) -> TokenBatchSampler:
+        ds = self.dataset(split)
+        rank, world = self.rank_world()
+        return TokenBatchSampler(ds.src.lengths() + 1, ds.tgt.lengths() + 1, self.cfg.max_tokens, shuffle=shuffle,
+                                 seed=self.seed, rank=rank, world_size=world)
+
+    def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
+        return self._loader(self.dataset(split), self.sampler(split, shuffle), collate_pairs)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._split_loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._split_loader("valid", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._split_loader("test", False)
+
+    def split_texts(self, split: str) -> tuple[list[str], list[str]]:
+        """Raw (sources, references) of the valid or test split, in cache order, for BLEU on real text."""
+        split = _split_name(split)
+        if split == "train":
+            raise DataError("split_texts: raw text is kept for the valid and test splits only")
+        self.setup()
+        assert self.cache_dir is not None
+        srcs, refs = [], []
+        with open(self.cache_dir / f"{split}.jsonl", encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                srcs.append(rec["src"])
+                refs.append(rec["tgt"])
+        return srcs, refs
+
+
+class LMDataModule(_DataModule):
+    """Documents -> packed windows: batches {input (B, seq_len), target (B, seq_len)}, B = max_tokens // seq_len."""
+
+    def _open_corpus(self) -> Corpus:
+        return open_documents(self.cfg)
+
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
+        return build_lm_cache(self.cfg, corpus, tok, key)
+
+    @property
+    def batch_size(self) -> int:
+        return max(1, self.cfg.max_tokens // self.cfg.seq_len)
+
+    def dataset(self, split: str) -> WindowDataset:
+        split = _split_name(split)
+        ds = WindowDataset(self._array(f"{split}.doc"), self.cfg.seq_len)
+        if len(ds) == 0:
+            raise DataError(f"LM split {split!r} has {len(ds.stream.tokens)} tokens, fewer than data.seq_len + 1 = "
+                            f"{self.cfg.seq_len + 1}: lower data.seq_len or give more data")
+        return ds
+
+    def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
+        ds = self.dataset(split)
+        rank, world = self.rank_world()
+        sampler = WindowBatchSampler(len(ds), self.batch_size, shuffle=shuffle, seed=self.seed, rank=rank,
+                                     world_size=world)
+        return self._loader(ds, sampler, collate_windows)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._split_loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._split_loader("valid", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._split_loader("test", False)
+
+
+def _split_name(split: str) -> str:
+    names = {"train": "train", "valid": "valid", "validation": "valid", "val": "valid", "dev": "valid", "test": "test"}
+    if split not in names:
+        raise DataError(f"unknown split {split!r}: expected train, valid or test")
+    return names[split]

@@ -1,0 +1,152 @@
+"""Byte-level BPE (Hugging Face `tokenizers`) with fixed special ids, trained once per corpus + settings.
+
+Text is NFC-normalised, then split GPT-2 style into byte-level pieces. Every byte has a symbol, so nothing is
+ever <unk> and `decode(encode(x)) == normalize(x) == unicodedata.normalize("NFC", x)` exactly: BLEU is computed
+on real text. No prefix space is added (it would not be removed on decoding).
+
+The ids pad=0, bos=1, eos=2, unk=3 are fixed: the models and the collate functions rely on them.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from .corpora import DataError
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+N_BYTES = 256  # the byte-level alphabet: every vocabulary holds all of them
+MIN_VOCAB = len(SPECIALS) + N_BYTES
+
+
+def check_vocab_size(vocab_size: int, key: str = "data.vocab_size") -> None:
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"{key}={vocab_size} is too small: the {len(SPECIALS)} special tokens and the "
+                        f"{N_BYTES}-symbol byte alphabet alone need {MIN_VOCAB}")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
+    """A byte-level BPE trained on `texts` (streamed; only word counts are held in memory)."""
+    check_vocab_size(vocab_size)
+    tok = HFTokenizer(models.BPE())  # no unk_token: byte-level coverage makes it unnecessary
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    for tid, name in enumerate(SPECIALS):  # special tokens are added first, in order: assert it anyway
+        if tok.token_to_id(name) != tid:
+            raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, expected {tid}")
+    return tok
+
+
+class Tokenizer:
+    """Source and target BPE (the same object for a joint vocabulary).
+
+    `encode*` default to the source side and `decode*` to the target side, the way translation uses them;
+    pass side="tgt" / side="src" for the other. Encoding adds no special tokens; the collate functions add
+    EOS/BOS. Decoding drops special tokens.
+    """
+
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    def __init__(self, src: HFTokenizer, tgt: HFTokenizer | None = None) -> None:
+        self.src = src
+        self.tgt = tgt if tgt is not None else src
+        for side, tok in (("src", self.src), ("tgt", self.tgt)):
+            for tid, name in enumerate(SPECIALS):
+                if tok.token_to_id(name) != tid:
+                    raise DataError(f"{side} tokenizer: {name} has id {tok.token_to_id(name)}, expected {tid}")
+
+    @property
+    def joint(self) -> bool:
+        return self.src is self.tgt
+
+    @property
+    def vocab_size(self) -> int:
+        """Target vocabulary (= source vocabulary when joint)."""
+        return self.tgt.get_vocab_size()
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src.get_vocab_size()
+
+    def _side(self, side: str) -> HFTokenizer:
+        if side not in ("src", "tgt"):
+            raise ValueError(f"side={side!r}: expected 'src' or 'tgt'")
+        return self.src if side == "src" else self.tgt
+
+    @staticmethod
+    def normalize(text: str) -> str:
+        """What decode(encode(text)) gives back: the NFC form of the text."""
+        return unicodedata.normalize("NFC", text)
+
+    def encode(self, text: str, side: str = "src") -> list[int]:
+        return self._side(side).encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], side: str = "src") -> list[list[int]]:
+        """Multi-threaded (Rust) batch encoding; `encode_batch_fast` skips offset tracking."""
+        return [e.ids for e in self._side(side).encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], side: str = "tgt") -> str:
+        return self._side(side).decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def decode_batch(self, batch: Iterable[Iterable[int]], side: str = "tgt") -> list[str]:
+        return self._side(side).decode_batch([[int(i) for i in ids] for ids in batch], skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> Path:
+        """tokenizer.json (joint) or src.json + tgt.json, and meta.json; written atomically per file."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        files = {"tokenizer.json": self.src} if self.joint else {"src.json": self.src, "tgt.json": self.tgt}
+        for name, tok in files.items():
+            tmp = d / f".{name}.tmp"
+            tok.save(str(tmp))
+            tmp.replace(d / name)
+        meta = {"joint": self.joint, "specials": dict(zip(SPECIALS, range(4), strict=True)),
+                "vocab_size": self.vocab_size, "src_vocab_size": self.src_vocab_size, "normalization": "NFC"}
+        (d / ".meta.json.tmp").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        (d / ".meta.json.tmp").replace(d / "meta.json")  # written last: its presence marks a complete save
+        return d
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        d = Path(directory)
+        if not (d / "meta.json").is_file():
+            raise DataError(f"{d}: not a saved tokenizer (no meta.json)")
+        meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
+        try:
+            if meta["joint"]:
+                return cls(HFTokenizer.from_file(str(d / "tokenizer.json")))
+            return cls(HFTokenizer.from_file(str(d / "src.json")), HFTokenizer.from_file(str(d / "tgt.json")))
+        except Exception as e:  # a missing or corrupt json file
+            raise DataError(f"{d}: cannot load the tokenizer: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def train(cls, src_texts: Iterable[str], tgt_texts: Iterable[str] | None, vocab_size: int,
+              min_frequency: int = 2) -> Tokenizer:
+        """Joint when `tgt_texts` is None (pass both sides through `src_texts`), else one BPE per side."""
+        src = train_bpe(src_texts, vocab_size, min_frequency)
+        return cls(src, None if tgt_texts is None else train_bpe(tgt_texts, vocab_size, min_frequency))
+
+
+def chunked(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of up to `size` consecutive items: corpora are encoded in chunks so memory stays flat."""
+    buf: list = []
+    for x in items:
+        buf.append(x)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf

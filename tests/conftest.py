@@ -1,0 +1,79 @@
+"""Shared fixtures. Data fixtures are named data_*."""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
+
+_EN = ("the a small big red green house cat dog tree river city open close file save print window "
+       "error value cannot find read write new old user system network").split()
+_DE = ("der die das klein gross rot gruen Haus Katze Hund Baum Fluss Stadt offen schliessen Datei speichern "
+       "drucken Fenster Fehler Wert kann nicht finden lesen schreiben neu alt Benutzer System Netzwerk").split()
+
+
+def make_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """n distinct synthetic (English, German) pairs: a word-for-word 'translation' plus a number."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = rng.randint(2, 12)
+        idx = [rng.randrange(len(_EN)) for _ in range(k)]
+        out.append((" ".join(_EN[j] for j in idx) + f" {i}.", " ".join(_DE[j] for j in idx) + f" {i}."))
+    return out
+
+
+def write_mo(path: Path, entries: list[tuple[str, str]], charset: str = "UTF-8") -> Path:
+    """A compiled gettext catalog (little-endian .mo) with a header entry; msgids may hold \\x04 / \\x00."""
+    header = f"Content-Type: text/plain; charset={charset}\nPlural-Forms: nplurals=2; plural=(n != 1);\n"
+    items = [(b"", header.encode("ascii"))] + [(s.encode(charset), t.encode(charset)) for s, t in entries]
+    n = len(items)
+    orig_at, trans_at = 28, 28 + 8 * n
+    data_at = 28 + 16 * n
+    blob, otab, ttab = b"", [], []
+    for s, _ in items:
+        otab.append((len(s), data_at + len(blob)))
+        blob += s + b"\0"
+    for _, t in items:
+        ttab.append((len(t), data_at + len(blob)))
+        blob += t + b"\0"
+    head = struct.pack("<7I", 0x950412DE, 0, n, orig_at, trans_at, 0, 0)
+    body = b"".join(struct.pack("<2I", *e) for e in otab) + b"".join(struct.pack("<2I", *e) for e in ttab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(head + body + blob)
+    return path
+
+
+@pytest.fixture
+def data_pairs() -> list[tuple[str, str]]:
+    return make_pairs(3000)
+
+
+@pytest.fixture
+def data_tsv(tmp_path: Path, data_pairs: list[tuple[str, str]]) -> Path:
+    p = tmp_path / "corpus.tsv"
+    p.write_text("".join(f"{s}\t{t}\n" for s, t in data_pairs), encoding="utf-8")
+    return p
+
+
+@pytest.fixture
+def data_write_mo() -> Callable[..., Path]:
+    return write_mo
+
+
+@pytest.fixture
+def data_locale_de() -> Path:
+    """The machine's German catalogs (the demo corpus); skips where they are not installed."""
+    if not LOCALE_DE.is_dir() or not any(LOCALE_DE.glob("*.mo")):
+        pytest.skip(f"no German gettext catalogs in {LOCALE_DE} (install a German language pack)")
+    return LOCALE_DE.parents[1]
+
+
+@pytest.fixture
+def data_make_pairs() -> Callable[..., list[tuple[str, str]]]:
+    return make_pairs

@@ -1,0 +1,144 @@
+"""Token arrays, atomic folders, token-count and window samplers (epochs, ranks), collate functions."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.data import BOS_ID, EOS_ID, PAD_ID
+from attnlab.data.batching import (
+    TokenArray,
+    TokenArrayWriter,
+    TokenBatchSampler,
+    WindowBatchSampler,
+    WindowDataset,
+    atomic_dir,
+    cache_is_valid,
+    collate_pairs,
+    collate_windows,
+    write_manifest,
+)
+
+
+def random_lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(2, 120, n)
+    return src, np.clip(src + rng.integers(-20, 20, n), 2, 150)
+
+
+def test_token_array_round_trip_and_pickles_without_data(tmp_path):
+    seqs = [[5, 6, 7], [], [65535], list(range(4, 1000))]
+    w = TokenArrayWriter(tmp_path / "x", np.dtype(np.uint16))
+    w.append(seqs[:2])
+    w.append(seqs[2:])
+    w.close()
+    arr = TokenArray(tmp_path / "x", "uint16")
+    assert len(arr) == 4 and [a.tolist() for a in (arr[i] for i in range(4))] == seqs
+    assert arr.lengths().tolist() == [3, 0, 1, 996]
+    assert isinstance(arr.tokens, np.memmap)
+    assert len(pickle.dumps(arr)) < 1000  # workers re-map the file instead of receiving the tokens
+    assert pickle.loads(pickle.dumps(arr))[3].tolist() == seqs[3]
+
+
+def test_atomic_dir_leaves_nothing_on_error_and_manifest_checks(tmp_path):
+    final = tmp_path / "cache"
+    with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"1234")
+        raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_dir(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"1234")
+        write_manifest(tmp, {"k": (1, 2)})
+    assert cache_is_valid(final, {"k": (1, 2)}) and not cache_is_valid(final, {"k": (1, 3)})
+    (final / "a.bin").write_bytes(b"12")  # a truncated file is caught by the recorded sizes
+    assert not cache_is_valid(final, {"k": (1, 2)})
+
+
+@pytest.mark.parametrize("max_tokens", [300, 1000, 4096])
+def test_token_batches_respect_max_tokens_and_cover_everything(max_tokens):
+    src, tgt = random_lengths(2000)
+    sampler = TokenBatchSampler(src, tgt, max_tokens, shuffle=True, seed=3)
+    batches = list(sampler)
+    assert len(batches) == len(sampler)
+    for b in batches:
+        assert len(b) * src[b].max() <= max_tokens and len(b) * tgt[b].max() <= max_tokens
+    assert sorted(i for b in batches for i in b) == list(range(2000))
+    # padding is small: lengths within a batch are close
+    waste = sum(len(b) * tgt[b].max() - tgt[b].sum() for b in batches) / tgt.sum()
+    assert waste < 0.15
+
+
+def test_token_batches_reshuffle_per_epoch_deterministically():
+    src, tgt = random_lengths(1000)
+    a = TokenBatchSampler(src, tgt, 1000, seed=1)
+    b = TokenBatchSampler(src, tgt, 1000, seed=1)
+    e0 = list(a)  # epoch 0, then the sampler advances itself
+    assert list(b) == e0
+    e1 = list(a)
+    b.set_epoch(1)
+    assert list(b) == e1 != e0
+    a.set_epoch(0)
+    assert list(a) == e0
+    assert list(TokenBatchSampler(src, tgt, 1000, seed=2)) != e0
+    fixed = TokenBatchSampler(src, tgt, 1000, shuffle=False)
+    assert list(fixed) == list(fixed)
+
+
+def test_oversized_eval_pair_gets_its_own_batch():
+    src, tgt = np.array([5, 5, 500, 5]), np.array([5, 5, 5, 5])
+    batches = list(TokenBatchSampler(src, tgt, 100, shuffle=False))
+    assert [2] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("sampler_for", [
+    lambda r, w: TokenBatchSampler(*random_lengths(997), 1000, seed=5, rank=r, world_size=w),
+    lambda r, w: WindowBatchSampler(997, 8, seed=5, rank=r, world_size=w),
+])
+def test_ranks_get_different_batches_and_the_same_count(sampler_for):
+    world = 3
+    per_rank = [list(sampler_for(r, world)) for r in range(world)]
+    counts = {len(b) for b in per_rank}
+    assert len(counts) == 1 and counts == {len(sampler_for(0, world))}
+    seen = [i for batches in per_rank for b in batches for i in b]
+    assert set(seen) == set(range(997))  # everything is seen; only the padding batches repeat
+    single = list(sampler_for(0, 1))
+    assert len(seen) - 997 <= max(len(b) for b in single) * (world - 1)
+    firsts = [tuple(batches[0]) for batches in per_rank]
+    assert len(set(firsts)) == world
+
+
+def test_lightning_finds_set_epoch():
+    """Lightning calls set_epoch on dataloader.batch_sampler.sampler; the hook forwards it."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from torch.utils.data import DataLoader
+
+    sampler = WindowBatchSampler(50, 4, seed=0)
+    loader = DataLoader(list(range(50)), batch_sampler=sampler)
+    _set_sampler_epoch(loader, 7)
+    assert sampler.epoch == 7
+
+
+def test_collate_pairs_layout():
+    items = [(np.array([10, 11, 12], np.uint16), np.array([20], np.uint16), 4),
+             (np.array([13], np.uint16), np.array([21, 22, 23, 24], np.uint16), 9)]
+    b = collate_pairs(items)
+    assert b["src"].tolist() == [[10, 11, 12, EOS_ID], [13, EOS_ID, PAD_ID, PAD_ID]]
+    assert b["tgt_in"].tolist() == [[BOS_ID, 20, PAD_ID, PAD_ID, PAD_ID], [BOS_ID, 21, 22, 23, 24]]
+    assert b["tgt_out"].tolist() == [[20, EOS_ID, PAD_ID, PAD_ID, PAD_ID], [21, 22, 23, 24, EOS_ID]]
+    assert b["src_lens"].tolist() == [4, 2] and b["tgt_lens"].tolist() == [2, 5]
+    assert b["ntokens"] == int((b["tgt_out"] != PAD_ID).sum()) == 7
+    assert b["ids"].tolist() == [4, 9] and all(b[k].dtype == torch.long for k in ("src", "tgt_in", "tgt_out"))
+
+
+def test_lm_windows_are_shifted_by_one(tmp_path):
+    w = TokenArrayWriter(tmp_path / "s", np.dtype(np.uint16))
+    w.append([[5, 6, 7, EOS_ID], [8, 9, EOS_ID], [10, 11, 12, 13, EOS_ID]])  # 12 tokens
+    w.close()
+    ds = WindowDataset(TokenArray(tmp_path / "s", "uint16"), seq_len=4)
+    assert len(ds) == 2  # (12 - 1) // 4
+    b = collate_windows([ds[0], ds[1]])
+    assert b["input"].tolist() == [[5, 6, 7, EOS_ID], [8, 9, EOS_ID, 10]]
+    assert b["target"].tolist() == [[6, 7, EOS_ID, 8], [9, EOS_ID, 10, 11]]
