@@ -1,0 +1,410 @@
+"""Decoding: greedy and beam search for translation, sampling for language models, checkpoint averaging.
+
+Conventions shared by the translation searches:
+- max output length per sentence = floor(max_len_a * source length + max_len_b), the source length
+  counting non-pad tokens; capped at max_seq_len - 1 for learned positions. Outputs hold at most that
+  many tokens; beam search then forces EOS (fairseq's convention), greedy just stops.
+- PAD is never generated (its log-prob is set to -inf after the softmax, so scores stay exact).
+- Outputs exclude BOS and EOS. The hypothesis length used by the length penalty counts the EOS.
+Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .models.transformer import DecoderOnly
+
+PAD, BOS, EOS = 0, 1, 2
+NEG_INF = float("-inf")
+
+
+def _decoding(fn):
+    """Run under no_grad in eval mode, restoring the caller's mode (dropout would make decoding random)."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return fn(model, *args, **kwargs)
+        finally:
+            model.train(was_training)
+
+    return wrapper
+
+
+def length_penalty(length: int | float | torch.Tensor, alpha: float, kind: str = "gnmt") -> Any:
+    """Divisor of a hypothesis' log-prob. gnmt: ((5 + len) / 6)^alpha (Wu et al. 2016, arXiv:1609.08144,
+    eq. 14); fairseq: len^alpha. Both are 1 at alpha = 0 and grow with len for alpha > 0."""
+    length = length.double() if isinstance(length, torch.Tensor) else float(length)
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if kind == "fairseq":
+        return length**alpha
+    raise ValueError(f"penalty={kind!r} is not one of: gnmt, fairseq")
+
+
+def max_lengths(model, src: torch.Tensor, max_len_a: float, max_len_b: float, pad_id: int = PAD) -> torch.Tensor:
+    """Per-sentence output budget floor(a * source length + b), source length without padding -> (B,) long."""
+    src_len = src.ne(pad_id).sum(1)  # (B,)
+    limit = (max_len_a * src_len.double() + max_len_b).floor().long().clamp_min(0)  # (B,)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.position == "learned":  # decoder positions 0..L must fit the table
+        limit = limit.clamp_max(cfg.max_seq_len - 1)
+    return limit
+
+
+def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
+    row = row[: row.index(eos_id)] if eos_id in row else row
+    return [t for t in row if t != pad_id]  # PAD is never generated: only the filler of finished rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation: greedy and beam search over the KV cache
+# ---------------------------------------------------------------------------------------------
+@_decoding
+def greedy_search(
+    model, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50,
+    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD,
+) -> list[list[int]]:
+    """Batched greedy decoding of src (B, S) with an EncoderDecoder -> B token lists without BOS/EOS.
+
+    A row stops at its EOS or its max length and then emits PAD; the batch stops when every row has."""
+    B = src.shape[0]
+    limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
+    if B == 0:
+        return []
+    memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
+    cache = model.new_cache()
+    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)  # (B,)
+    out: list[torch.Tensor] = []
+    for t in range(int(limit.max())):
+        done |= limit <= t  # rows at their length budget
+        if done.all():
+            break
+        logits = model.decode(tok, memory, src_pad, cache)[:, -1].float()  # (B, V)
+        logits[:, pad_id] = NEG_INF
+        tok = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], pad_id)  # (B, 1)
+        out.append(tok)
+        done |= tok[:, 0].eq(eos_id)
+    ids = torch.cat(out, 1).tolist() if out else [[] for _ in range(B)]  # (B, T)
+    return [_strip(row, eos_id, pad_id) for row in ids]
+
+
+@_decoding
+def beam_search(
+    model, src: torch.Tensor, beam_size: int = 4, len_penalty: float = 0.6, penalty: str = "gnmt",
+    max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1, early_stop: bool = True,
+    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD,
+) -> list[list[tuple[list[int], float]]]:
+    """Batched beam search of src (B, S) with an EncoderDecoder over the KV cache.
+
+    Returns, per sentence, up to `nbest` (tokens without BOS/EOS, score) pairs, best first, where
+    score = sum of token log-probs (EOS included) / length_penalty(len + 1, len_penalty, penalty).
+
+    Each step takes the 2K best continuations of the K live beams (K = beam_size). A candidate ending
+    in EOS among the K best is finished and scored; the K best non-EOS candidates stay live, so K
+    hypotheses are always extended (fairseq's `SequenceGenerator`). The K best finished are kept.
+    Stopping, per sentence:
+      early_stop=True  (fairseq): stop once K hypotheses are finished. Beam size 1 is then greedy search.
+      early_stop=False (GNMT / tensor2tensor bound): stop once no live beam can still beat the nbest-th
+        finished score. With alpha >= 0 and log-probs <= 0, a live beam's best reachable score is its
+        log-prob / lp(max length + 1), so the bound is exact.
+    At the max length every live beam is force-finished with EOS.
+    Finished sentences are not removed from the batch (simpler; they cost compute until all finish).
+    """
+    if beam_size < 1 or not 1 <= nbest <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got beam_size={beam_size}, nbest={nbest}")
+    if len_penalty < 0:
+        raise ValueError(f"len_penalty={len_penalty} must be >= 0")
+    length_penalty(1, len_penalty, penalty)  # reject an unknown penalty before any work
+    B, K, V = src.shape[0], beam_size, model.cfg.vocab_size
+    if B == 0:
+        return []
+    dev = src.device
+    limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
+    memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
+    memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, d): rows b*K .. b*K+K-1 are sentence b
+    src_pad = src_pad.repeat_interleave(K, dim=0)  # (B*K, S)
+    cache = model.new_cache()
+    seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (B*K, t+1)
+    scores = torch.full((B, K), NEG_INF, device=dev)  # (B, K) log-prob of each live beam
+    scores[:, 0] = 0.0  # first step expands only beam 0, so the K beams start distinct
+    base = torch.arange(B, device=dev)[:, None] * K  # (B, 1) first row of each sentence
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    kth = torch.full((B,), NEG_INF, dtype=torch.float64, device=dev)  # nbest-th finished score
+    n_fin = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
+    bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (B,) lp of the longest possible hypothesis
+    rank = torch.arange(2 * K, device=dev)  # (2K,)
+    for t in range(int(limit.max()) + 1):
+        logits = model.decode(seqs[:, -1:], memory, src_pad, cache)[:, -1]  # (B*K, V)
+        lprobs = logits.float().log_softmax(-1).view(B, K, V)  # (B, K, V)
+        lprobs[..., pad_id] = NEG_INF
+        forced = limit <= t  # (B,) at max length only EOS may follow
+        eos_lp = lprobs[..., eos_id].clone()  # (B, K)
+        lprobs.masked_fill_(forced[:, None, None], NEG_INF)
+        lprobs[..., eos_id] = eos_lp
+        cand = scores[:, :, None] + lprobs  # (B, K, V); -inf + finite stays -inf, never NaN
+        top_scores, top_idx = cand.view(B, K * V).topk(2 * K, dim=1)  # (B, 2K), sorted best first
+        top_beam, top_tok = top_idx // V, top_idx % V  # (B, 2K)
+        is_eos = top_tok.eq(eos_id)  # (B, 2K)
+
+        # finish EOS candidates ranked in the top K (all hypotheses have t tokens + EOS)
+        fin = is_eos[:, :K] & top_scores[:, :K].isfinite() & ~done[:, None]  # (B, K)
+        if fin.any():
+            lp = length_penalty(t + 1, len_penalty, penalty)
+            for b, j in fin.nonzero().tolist():
+                hyp = seqs[base[b, 0] + top_beam[b, j], 1:].tolist()  # drop BOS; EOS is not stored
+                finished[b].append((top_scores[b, j].item() / lp, hyp))
+            for b in fin.any(1).nonzero()[:, 0].tolist():
+                finished[b] = sorted(finished[b], key=lambda h: h[0], reverse=True)[:K]
+                n_fin[b] = len(finished[b])
+                if len(finished[b]) >= nbest:
+                    kth[b] = finished[b][nbest - 1][0]
+
+        # the K best non-EOS candidates stay live (there are >= K: each beam gives at most one EOS)
+        keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (B, K), best first
+        scores = top_scores.gather(1, keep)  # (B, K)
+        beam = top_beam.gather(1, keep)  # (B, K)
+        tok = top_tok.gather(1, keep)  # (B, K)
+
+        if early_stop:
+            done |= n_fin >= K
+        else:
+            done |= kth >= scores[:, 0].double() / bound_lp  # -inf live beams (bound -inf) end it too
+        done |= forced
+        if done.all():
+            break
+        index = (base + beam).view(-1)  # (B*K,) parent row of each new beam
+        seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (B*K, t+2)
+        cache.reorder(index)
+    return [[(hyp, score) for score, hyp in f[:nbest]] or [([], NEG_INF)] for f in finished]
+
+
+# ---------------------------------------------------------------------------------------------
+# Language models: sampling over the KV cache
+# ---------------------------------------------------------------------------------------------
+def sample_next(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V): argmax when greedy or temperature == 0, else a sample from
+    softmax(logits / temperature) restricted to the top_k tokens (0 = all) and to the nucleus: the
+    smallest set of most likely tokens whose probability reaches top_p (Holtzman et al. 2020)."""
+    logits = logits.float()
+    if greedy or temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature  # (B, V)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, NEG_INF)  # ties with the k-th are kept
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(-1)  # (B, V)
+        drop = probs.cumsum(-1) - probs >= top_p  # the tokens before already reach top_p; the first always stays
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, NEG_INF))  # back to vocab order
+    probs = logits.softmax(-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]  # (B,)
+
+
+@_decoding
+def generate(
+    model, prompt: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
+    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+    eos_id: int | None = None, generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Continue prompts with a DecoderOnly model -> per prompt, its tokens followed by the new ones.
+
+    `prompt` is a (B, T) tensor (one batch) or a list of prompts of any lengths. The causal decoder has no
+    key padding, so left-padded prompts would attend to their pads: prompts are grouped by length and each
+    group is one batch (prefill once, then one token per step over the KV cache). With `eos_id`, a row
+    stops after its EOS (kept in the output); the others continue. Rows draw from one shared `generator`,
+    group by group in order of first appearance, so a seeded generator reproduces the output."""
+    if not isinstance(model, DecoderOnly):
+        raise TypeError(f"generate needs a DecoderOnly model (model.arch=decoder_only), got {type(model).__name__}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
+        raise ValueError(
+            f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and max_new_tokens >= 0; got temperature="
+            f"{temperature}, top_k={top_k}, top_p={top_p}, max_new_tokens={max_new_tokens}"
+        )
+    device = next(model.parameters()).device
+    if isinstance(prompt, torch.Tensor):
+        ids = prompt[None] if prompt.dim() == 1 else prompt  # (B, T): one batch
+        batches = [(list(range(ids.shape[0])), ids)]
+    else:
+        rows = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompt]
+        by_len: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_len.setdefault(len(r), []).append(i)
+        batches = [(idx, torch.stack([rows[i] for i in idx])) for idx in by_len.values()]  # (G, T) each
+    out: list[list[int]] = [[] for _ in range(sum(len(idx) for idx, _ in batches))]
+    for idx, ids in batches:
+        if ids.shape[1] == 0:
+            raise ValueError("generate needs prompts of at least one token (e.g. BOS)")
+        ids = ids.to(device)
+        new = _generate_batch(model, ids, max_new_tokens, temperature, top_k, top_p, greedy, eos_id, generator)
+        for i, p, n in zip(idx, ids.tolist(), new.tolist(), strict=True):
+            if eos_id is not None and eos_id in n:
+                n = n[: n.index(eos_id) + 1]
+            out[i] = p + n
+    return out
+
+
+def _generate_batch(
+    model, ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
+    eos_id: int | None, generator: torch.Generator | None,
+) -> torch.Tensor:
+    """ids (G, T) of equal-length prompts -> new tokens (G, N), N <= max_new_tokens."""
+    G = ids.shape[0]
+    if max_new_tokens == 0:
+        return ids.new_zeros(G, 0)
+    cache = model.new_cache()
+    logits = model(ids, cache=cache)[:, -1]  # (G, V) prefill: the whole prompt in one call
+    done = torch.zeros(G, dtype=torch.bool, device=ids.device)  # (G,)
+    steps: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)  # (G,)
+        if eos_id is not None:
+            nxt = nxt.masked_fill(done, eos_id)  # finished rows idle on EOS (cut off by the caller)
+            done |= nxt.eq(eos_id)
+        steps.append(nxt)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits = model(nxt[:, None], cache=cache)[:, -1]  # (G, V)
+    return torch.stack(steps, 1)  # (G, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint averaging (Vaswani et al. 2017 average the last 5 checkpoints)
+# ---------------------------------------------------------------------------------------------
+def _load(path: str | Path) -> dict[str, Any]:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # missing, truncated, or pickled code that weights_only refuses
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(ckpt).__name__}")
+    return ckpt
+
+
+def average_checkpoints(paths: Sequence[str | Path], out_path: str | Path | None = None) -> dict[str, Any]:
+    """Average the weights of checkpoints: Lightning ones ({"state_dict": ..., ...}) or plain state dicts.
+
+    Floating tensors are averaged in float64 and cast back to the last checkpoint's dtype; other entries
+    (integer buffers, step counters) must be equal in every file. Keys and shapes must match. The result
+    keeps the last checkpoint's other entries (epoch, step, hyper_parameters, optimizer state) with the
+    averaged weights, is returned, and is written to `out_path` (when given) atomically: a temporary file
+    in the same folder, then os.replace, so the target is never a partial file."""
+    paths = [str(p) for p in paths]
+    if not paths:
+        raise ValueError("average_checkpoints needs at least one checkpoint")
+    ckpts = [_load(p) for p in paths]
+    lightning = [isinstance(c.get("state_dict"), dict) for c in ckpts]
+    if len(set(lightning)) > 1:
+        kinds = ", ".join(f"{p} ({'Lightning' if c else 'state dict'})" for p, c in zip(paths, lightning, strict=True))
+        raise ValueError(f"cannot average Lightning checkpoints with plain state dicts: {kinds}")
+    states = [c["state_dict"] for c in ckpts] if lightning[0] else ckpts
+    ref = states[-1]
+    for p, s in zip(paths, states, strict=True):
+        missing, extra = sorted(set(ref) - set(s)), sorted(set(s) - set(ref))
+        if missing or extra:
+            raise ValueError(f"{p}: keys differ from {paths[-1]}: missing {missing[:10]}, extra {extra[:10]}")
+
+    n = len(states)
+    avg: dict[str, Any] = {}
+    shared: dict[tuple, torch.Tensor] = {}  # tied weights (one storage under two keys) stay tied
+    for key, last in ref.items():
+        values = [s[key] for s in states]
+        if not isinstance(last, torch.Tensor) or not last.is_floating_point():
+            for p, v in zip(paths, values, strict=True):
+                if not _equal(v, last):
+                    raise ValueError(f"{key}: non-floating entry differs between {p} and {paths[-1]}; cannot average")
+            avg[key] = last
+            continue
+        for p, v in zip(paths, values, strict=True):
+            if not isinstance(v, torch.Tensor) or v.shape != last.shape:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{key}: {p} has {shape}, {paths[-1]} has {tuple(last.shape)}")
+        tie = tuple((v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride()) for v in values)
+        if last.numel() and tie in shared:
+            avg[key] = shared[tie]
+            continue
+        acc = torch.zeros(last.shape, dtype=torch.float64)
+        for v in values:
+            acc += v.to(torch.float64)  # a running fp64 sum: exact enough, and one copy of the model in memory
+        avg[key] = shared[tie] = (acc / n).to(last.dtype)
+
+    result = dict(ckpts[-1])
+    if lightning[0]:
+        result["state_dict"] = avg
+    else:
+        result = avg
+    if out_path is not None:
+        save_atomic(result, out_path)
+    return result
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return both and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
+def save_atomic(obj: Any, path: str | Path) -> None:
+    """torch.save to a temporary file beside `path`, fsync, then os.replace: readers see old or new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+_STEP = re.compile(r"step=(\d+)")
+
+
+def last_checkpoints(directory: str | Path, n: int) -> list[Path]:
+    """The n most recent *.ckpt in `directory`, oldest first (so the last is the newest).
+
+    Recency is the training step parsed from Lightning names (`step=500.ckpt`, `epoch=0-step=500.ckpt`,
+    ties broken by mtime). Files without `step=` (last.ckpt, a copy of the newest; averaged outputs) are
+    ignored when any file has a step, else all are ordered by modification time."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {directory}")
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    files = [p for p in directory.glob("*.ckpt") if p.is_file()]
+    stepped = [(int(m.group(1)), p.stat().st_mtime, p) for p in files if (m := _STEP.search(p.name))]
+    if stepped:
+        ordered = [p for _, _, p in sorted(stepped, key=lambda x: (x[0], x[1], x[2].name))]
+    else:
+        ordered = sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
+    return ordered[-n:]
+
+
+__all__ = [
+    "average_checkpoints", "beam_search", "generate", "greedy_search", "last_checkpoints", "length_penalty",
+    "max_lengths", "sample_next", "save_atomic",
+]
