@@ -330,3 +330,30 @@ class OptimConfig(StrictConfig):
                 raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
         if self.schedule == "noam" and self.warmup_steps < 1:
             raise ConfigError("optim.schedule=noam needs optim.warmup_steps >= 1")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(StrictConfig):
+    """Decoding for validation BLEU, test and `attnlab translate`. Defaults: the paper's beam 4, alpha 0.6."""
+
+    prefix: typing.ClassVar[str] = "decode"
+
+    beam: int = 4
+    len_penalty: float = 0.6  # alpha
+    penalty: str = "gnmt"  # gnmt: ((5 + len) / 6)^alpha (Wu et al. 2016); fairseq: len^alpha
+    max_len_a: float = 1.0  # max output length = a * source length + b
+    max_len_b: int = 50
+    val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
+    val_sentences: int = 500  # sentences decoded for validation BLEU/chrF; 0 = none
+    batch_sentences: int = 64  # sentences per decoding batch (test, translate)
+    average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
+
+    def __post_init__(self) -> None:
+        check_types(self, "decode")
+        one_of("penalty", self.penalty, ("gnmt", "fairseq"), "decode")
+        for key in ("beam", "val_beam", "batch_sentences", "average_last"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 1")
+        for key in ("len_penalty", "max_len_a", "max_len_b", "val_sentences"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 0")

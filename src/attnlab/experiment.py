@@ -1,0 +1,175 @@
+"""An experiment: model + data + optim + trainer + decode configs, loaded from a YAML recipe.
+
+A recipe may name a `base:` recipe (a path relative to itself) and override only what differs, as the
+demo does with the paper's base recipe. Dotted command-line overrides (`--model.norm rmsnorm`) apply last;
+unknown keys anywhere are errors naming the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import (
+    ConfigError,
+    DecodeConfig,
+    ModelConfig,
+    OptimConfig,
+    StrictConfig,
+    check_types,
+    load_yaml,
+    one_of,
+)
+from .data.config import DataConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig(StrictConfig):
+    """The Lightning Trainer and the run directory."""
+
+    prefix: typing.ClassVar[str] = "trainer"
+
+    max_steps: int = 100000
+    max_time_min: float = 0.0  # wall-clock budget in minutes; 0 = none. Stops cleanly with a checkpoint
+    val_every: int = 1000  # validate every N optimizer steps
+    limit_val_batches: int = 0  # 0 = the whole validation split
+    ckpt_every: int = 1000  # checkpoint every N optimizer steps (and at the end)
+    keep_checkpoints: int = 5  # step checkpoints kept besides last.ckpt (at least decode.average_last)
+    log_every: int = 50
+    precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
+    accelerator: str = "auto"
+    devices: int = 1  # -1: all visible devices
+    num_nodes: int = 1
+    strategy: str = "auto"  # auto | ddp | fsdp
+    compile: bool = False  # torch.compile each block
+    seed: int = 1
+    runs_dir: str = "runs"
+    run_name: str = ""  # "" = <recipe name>-<config hash>
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        check_types(self, "trainer")
+        one_of("strategy", self.strategy, ("auto", "ddp", "fsdp"), "trainer")
+        one_of("precision", self.precision, ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"), "trainer")
+        for key in ("max_steps", "val_every", "ckpt_every", "log_every", "num_nodes", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 1")
+        if self.devices == 0 or self.devices < -1:
+            raise ConfigError(f"trainer.devices={self.devices} must be >= 1, or -1 for all")
+        if self.max_time_min < 0 or self.limit_val_batches < 0:
+            raise ConfigError("trainer.max_time_min and trainer.limit_val_batches must be >= 0")
+
+
+SECTIONS: dict[str, type[StrictConfig]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "trainer": TrainConfig,
+    "decode": DecodeConfig,
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    @property
+    def task(self) -> str:
+        return "translation" if self.model.arch == "encoder_decoder" else "lm"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **{k: getattr(self, k).to_dict() for k in SECTIONS}}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        """Identity of what is trained: everything but where and how it is logged."""
+        d = self.to_dict()
+        for k in ("runs_dir", "run_name", "progress_bar", "log_every"):
+            d["trainer"].pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+    def run_dir(self) -> Path:
+        name = self.trainer.run_name or f"{self.name}-{self.config_hash()}"
+        return Path(self.trainer.runs_dir) / name
+
+    def replace(self, **sections: Any) -> Experiment:
+        return dataclasses.replace(self, **sections)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as YAML: 0.1 -> float, true -> bool, rmsnorm -> str, [1, 2] -> list."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS or not key or "." in key:
+        valid = ", ".join(f"{s}.<field>" for s in SECTIONS)
+        raise ConfigError(f"override --{dotted}: expected one of {valid}")
+    raw.setdefault(section, {})[key] = value
+
+
+def merge(base: dict[str, Any], over: dict[str, Any], source: str) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in over.items():
+        if k in SECTIONS:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{source}: section {k} must be a mapping")
+            out.setdefault(k, {}).update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe with its `base:` chain resolved, as plain dicts."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular base: chain {' -> '.join(str(p) for p in seen)}")
+    raw = load_yaml(path)
+    unknown = [k for k in raw if k not in (*SECTIONS, "base", "name")]
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base, name, {', '.join(SECTIONS)}")
+    base = raw.pop("base", None)
+    if base is not None:
+        raw = merge(load_raw(path.parent / base, (*seen, path)), raw, str(path))
+    raw.setdefault("name", path.stem)
+    return raw
+
+
+def load_experiment(path: str | Path, overrides: dict[str, Any] | None = None) -> Experiment:
+    """Load a recipe, apply dotted overrides ({"model.norm": "rmsnorm"}), validate every section."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"experiment file not found: {path}")
+    raw = load_raw(path)
+    for dotted, value in (overrides or {}).items():
+        apply_override(raw, dotted, value)
+    return from_raw(raw, str(path))
+
+
+def from_raw(raw: dict[str, Any], source: str = "<dict>") -> Experiment:
+    if "model" not in raw or "data" not in raw:
+        raise ConfigError(f"{source}: an experiment needs model: and data: sections")
+    try:
+        sections = {k: cls.from_dict(raw.get(k, {})) for k, cls in SECTIONS.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return Experiment(name=str(raw.get("name", Path(source).stem)), **sections)

@@ -1,0 +1,95 @@
+"""What both LightningModules share: the model, optimizer and schedule, step logging, RNG state in checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics.aggregation import SumMetric
+
+from ..config import ModelConfig, OptimConfig
+from ..models import build_model
+from .optim import make_optimizer, make_scheduler, token_loss
+
+
+class BaseModule(L.LightningModule):
+    """Builds the network from plain config dicts (kept in the checkpoint's hyper-parameters, so a checkpoint
+    loads with weights-only unpickling and rebuilds the exact model)."""
+
+    def __init__(self, model: dict, optim: dict, compile: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_cfg = ModelConfig.from_dict(model)
+        self.optim_cfg = OptimConfig.from_dict(optim)
+        self.model = build_model(self.model_cfg)
+        self._compile = compile
+        self._last_step_time: float | None = None
+        self._rng_to_restore: dict | None = None
+        # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
+        self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self._compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            # compile each block, not the whole model: fast to compile, robust to varying shapes
+            for stack in (getattr(self.model, "encoder", None), getattr(self.model, "decoder", None)):
+                if stack is not None:
+                    for i, layer in enumerate(stack.layers):
+                        stack.layers[i] = torch.compile(layer, dynamic=True)
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.model_cfg
+        smoothing = self.optim_cfg.label_smoothing if self.training else 0.0
+        return token_loss(logits, target, cfg.pad_id, smoothing, cfg.z_loss if self.training else 0.0)
+
+    def log_eval_loss(self, stage: str) -> None:
+        n = float(self.eval_tokens.compute())
+        if n > 0:
+            loss = float(self.eval_nll.compute()) / n
+            self.log(f"{stage}/loss", loss, prog_bar=True)  # already summed over ranks
+            self.log(f"{stage}/ppl", math.exp(min(loss, 50.0)))
+        self.eval_nll.reset()
+        self.eval_tokens.reset()
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = make_optimizer(self.model, self.optim_cfg)
+        sched = make_scheduler(opt, self.optim_cfg, self.model_cfg.d_model)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def log_train_step(self, loss: torch.Tensor, nll: torch.Tensor, n_tokens: torch.Tensor) -> None:
+        now = time.perf_counter()
+        n = n_tokens.float().clamp_min(1)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/nll", nll / n)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        if self._last_step_time is not None:  # tokens of this step over the time since the last one
+            self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
+        self._last_step_time = now
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", norm)
+
+    # ------------------------------------------------------------------ exact resume
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would."""
+        checkpoint["rng"] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._rng_to_restore = checkpoint.get("rng")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # restored here, not at load time: the loops draw random numbers between loading and the first batch
+        if self._rng_to_restore is not None:
+            torch.set_rng_state(self._rng_to_restore["torch"])
+            if "cuda" in self._rng_to_restore and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(self._rng_to_restore["cuda"])
+            self._rng_to_restore = None
