@@ -1,21 +1,53 @@
-"""The `attnlab` command."""
+"""The `attnlab` command: fit, validate, test, translate, generate, average, info.
+
+Follows LightningCLI's conventions: `attnlab fit -c experiments/demo_en_de.yaml --model.norm rmsnorm
+--trainer.max_steps 100`; `--ckpt_path last` resumes. Unknown or mistyped keys are errors with the key path.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from .config import ConfigError, ModelConfig, load_yaml
 
 
+def parse_overrides(rest: list[str]) -> dict[str, Any]:
+    """`--section.key value` or `--section.key=value` pairs; values parsed as YAML scalars."""
+    from .experiment import parse_value
+
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --model.norm rmsnorm")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"override --{key} needs a value")
+            value, i = rest[i + 1], i + 1
+        out[key] = parse_value(value)
+        i += 1
+    return out
+
+
 def load_model_config(path: str) -> ModelConfig:
-    """A model config from a YAML file: a bare ModelConfig, or an experiment with a `model:` section."""
+    """A model config from a YAML file: a bare ModelConfig, or an experiment recipe (base: chain resolved)."""
     data = load_yaml(Path(path))
-    section = data.get("model", data) if isinstance(data.get("model"), dict) else data
-    return ModelConfig.from_dict(section)
+    if "model" in data or "base" in data:
+        from .experiment import load_raw
+
+        return ModelConfig.from_dict(load_raw(Path(path)).get("model", {}))
+    return ModelConfig.from_dict(data)
 
 
+# ---------------------------------------------------------------------------------------------- commands
 def cmd_info(args: argparse.Namespace) -> int:
     from .models.accounting import count_parameters, training_flops
 
@@ -36,23 +68,199 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from .experiment import load_experiment
+    from .train import fit
+
+    exp = load_experiment(args.config, overrides)
+    t0 = time.perf_counter()
+    run_dir = fit(exp, ckpt_path=args.ckpt_path)
+    print(f"fit done in {time.perf_counter() - t0:.0f}s; run directory: {run_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """validate / test: loss and perplexity on the split; for translation also beam-search BLEU and chrF
+    on the split's real text (sacreBLEU, with its signature)."""
+    from .evaluate import load_module, score, translate_lines
+    from .experiment import load_experiment
+    from .train import check_compatible, load_checkpoint, make_trainer, prepare
+
+    exp = load_experiment(args.config, overrides)
+    dm, exp = prepare(exp)
+    check_compatible(load_checkpoint(args.ckpt), exp.model, args.ckpt)
+    module = load_module(args.ckpt, exp.decode)
+    split = "valid" if args.command == "validate" else "test"
+    t0 = time.perf_counter()
+    trainer = make_trainer(exp, exp.run_dir(), logger=False, callbacks=[], enable_progress_bar=False)
+    if exp.task == "translation":
+        module.decode_cfg = module.decode_cfg.__class__.from_dict({**exp.decode.to_dict(), "val_sentences": 0})
+    run = trainer.validate if split == "valid" else trainer.test
+    metrics = {k: float(v) for k, v in run(module, datamodule=dm, verbose=False)[0].items()}
+    if exp.task == "translation":
+        srcs, refs = dm.split_texts(split)
+        hyps = translate_lines(module, dm.tokenizer, srcs, beam=args.beam or exp.decode.beam)
+        metrics.update(score(hyps, refs))
+        metrics["examples"] = [{"source": s, "reference": r, "hypothesis": h}
+                               for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
+    metrics["seconds"] = round(time.perf_counter() - t0, 1)
+    out = Path(args.ckpt).resolve().parent.parent / f"{split}_results.json"
+    out.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
+    print(json.dumps(metrics, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """The main job: fit, average the last checkpoints, decode the test split with beam search, score."""
+    from .decode import average_checkpoints, last_checkpoints
+    from .evaluate import load_module, score, translate_lines
+    from .experiment import load_experiment
+    from .train import fit, prepare
+
+    exp = load_experiment(args.config, overrides)
+    if exp.task != "translation":
+        raise ConfigError(f"{args.config}: attnlab demo runs a translation recipe (model.arch=encoder_decoder)")
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    dm, resolved = prepare(exp)
+    times["data (tokenizer + caches)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run_dir = fit(exp)
+    times["train"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    paths = [str(p) for p in last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)]
+    averaged = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"
+    average_checkpoints(paths, str(averaged))
+    times[f"average last {len(paths)} checkpoints"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    module = load_module(averaged, resolved.decode)
+    srcs, refs = dm.split_texts("test")
+    hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam)
+    result = score(hyps, refs)
+    times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences)"] = time.perf_counter() - t0
+    result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
+    result["checkpoints_averaged"] = paths
+    (run_dir / "demo_results.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
+    print(f"\n{'=' * 78}\n{result['bleu_detail']}\nchrF2 = {result['chrf']:.2f}")
+    print(f"BLEU signature: {result['bleu_signature']}\nchrF signature: {result['chrf_signature']}")
+    print("\nexamples (source / reference / attnlab):")
+    for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:: max(1, len(srcs) // 5)][:5]:
+        print(f"  EN  {s}\n  DE  {r}\n  MT  {h}\n")
+    print("phases:")
+    for k, v in times.items():
+        print(f"  {k:<48} {v:7.1f} s")
+    print(f"run directory: {run_dir}  (results in {run_dir / 'demo_results.json'})")
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from .evaluate import load_module, load_tokenizer, run_dir_of, translate_lines
+
+    module = load_module(args.ckpt)
+    if not isinstance(module.model_cfg, ModelConfig) or module.model_cfg.arch != "encoder_decoder":
+        raise ConfigError(f"{args.ckpt} is not a translation model")
+    tok = load_tokenizer(run_dir_of(args.ckpt))
+    src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
+    lines = [line.rstrip("\n") for line in src]
+    for hyp in translate_lines(module, tok, lines, beam=args.beam):
+        print(hyp)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    import torch
+
+    from .decode import generate
+    from .evaluate import load_module, load_tokenizer, run_dir_of
+
+    module = load_module(args.ckpt)
+    tok = load_tokenizer(run_dir_of(args.ckpt))
+    ids = [1] + list(tok.encode(args.prompt))  # BOS + prompt
+    g = torch.Generator().manual_seed(args.seed)
+    out = generate(module.model, torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=2, generator=g)
+    print(tok.decode(list(out[0])))
+    return 0
+
+
+def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from .decode import average_checkpoints, last_checkpoints
+
+    paths = args.ckpts or [str(p) for p in last_checkpoints(Path(args.run_dir) / "checkpoints", args.last)]
+    if not paths:
+        raise FileNotFoundError(f"no checkpoints to average in {args.run_dir}/checkpoints")
+    out = args.out or str(Path(paths[-1]).parent / f"averaged_last{len(paths)}.ckpt")
+    average_checkpoints(paths, out)
+    print(f"averaged {len(paths)} checkpoints -> {out}")
+    for p in paths:
+        print(f"  {p}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnlab", description="Transformer research: train, evaluate, ablate.")
+    p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter breakdown and training FLOPs of a config, without building it")
-    info.add_argument("config", help="YAML: a model config, or an experiment with a model: section")
+    info.add_argument("config", help="YAML: a model config, or an experiment recipe")
     info.add_argument("--seq-len", type=int, default=128, help="(target) sequence length for FLOPs")
     info.add_argument("--src-len", type=int, default=128, help="source length for encoder-decoder FLOPs")
-    info.set_defaults(fn=cmd_info)
+    fit_p = sub.add_parser("fit", help="train an experiment; extra --section.key value pairs override the recipe")
+    fit_p.add_argument("-c", "--config", required=True)
+    fit_p.add_argument("--ckpt_path", default=None, help="'last' resumes the run's last checkpoint, or a path")
+    for name in ("validate", "test"):
+        e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split")
+        e.add_argument("-c", "--config", required=True)
+        e.add_argument("--ckpt", required=True)
+        e.add_argument("--beam", type=int, default=0, help="beam size (default: decode.beam)")
+    demo = sub.add_parser("demo", help="fit + average + beam-search test BLEU: what `make demo` runs")
+    demo.add_argument("-c", "--config", required=True)
+    tr = sub.add_parser("translate", help="translate lines from a file or stdin with a checkpoint")
+    tr.add_argument("--ckpt", required=True)
+    tr.add_argument("--input", default="-")
+    tr.add_argument("--beam", type=int, default=None)
+    gen = sub.add_parser("generate", help="sample from a language-model checkpoint")
+    gen.add_argument("--ckpt", required=True)
+    gen.add_argument("--prompt", default="")
+    gen.add_argument("--max_new_tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top_k", type=int, default=0)
+    gen.add_argument("--top_p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    avg = sub.add_parser("average", help="average checkpoints (the last N of a run, or those given)")
+    avg.add_argument("--run_dir", default=None)
+    avg.add_argument("--last", type=int, default=5)
+    avg.add_argument("--ckpts", nargs="*", default=None)
+    avg.add_argument("--out", default=None)
+    from .ablate import add_ablate_commands
+
+    add_ablate_commands(sub)
     return p
 
 
+def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from .ablate import cmd_ablate as run
+
+    return run(args, overrides)
+
+
+COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_demo, "validate": cmd_eval,
+            "test": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "average": cmd_average}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("attnlab").setLevel(logging.INFO)
     try:
-        return args.fn(args)
-    except ConfigError as e:
-        print(f"attnlab: config error: {e}", file=sys.stderr)
+        overrides = parse_overrides(rest)
+        if overrides and args.command not in ("fit", "validate", "test", "demo", "ablate"):
+            raise ConfigError(f"attnlab {args.command} takes no --section.key overrides: {list(overrides)}")
+        fn = COMMANDS[args.command]
+        return fn(args) if args.command == "info" else fn(args, overrides)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

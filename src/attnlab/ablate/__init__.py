@@ -1,0 +1,135 @@
+"""Ablation studies: an ablation file (spec.py), a study run by workers (runner.py), tables and plots (report.py).
+
+    attnlab ablate run ablations/block_variants.yaml --workers 2     # runs what is missing
+    attnlab ablate status ablations/block_variants.yaml              # done / running / failed / pending
+    attnlab ablate table ablations/block_variants.yaml               # markdown; also CSV and LaTeX
+    attnlab ablate plot ablations/block_variants.yaml                # curves.png, metric.png
+
+A trial is the same `attnlab.train.fit` a user runs by hand, in its own run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+# Re-exported lazily (module __getattr__), so building the attnlab CLI parser does not import optuna.
+_EXPORTS = {
+    "spec": ("AblationSpec", "Point", "Variant", "load_spec"),
+    "runner": ("DEFAULT_FIT", "Options", "StudyHandle", "connect", "format_status", "open_study", "point_states",
+               "prepare_study", "run_study", "work"),
+    "report": ("collect_rows", "plot", "write_table"),
+}
+__all__ = ["add_ablate_commands", "cmd_ablate", "main", *(n for names in _EXPORTS.values() for n in names)]
+
+
+def __getattr__(name: str) -> Any:
+    for module, names in _EXPORTS.items():
+        if name in names:
+            import importlib
+
+            return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="the ablation file, e.g. ablations/block_variants.yaml")
+    p.add_argument("--dir", default=None, help="study directory (default: <base runs_dir>/ablations/<name>)")
+    p.add_argument("--storage", default=None,
+                   help="optuna storage URL (sqlite:///..., postgresql://...) or a journal file path "
+                        "(default: sqlite <study dir>/study.db)")
+    p.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's heartbeats")
+    p.add_argument("--grace", type=int, default=120,
+                   help="seconds without a heartbeat after which a trial's worker is taken as dead")
+    p.add_argument("--poll", type=float, default=10.0, help="seconds an idle worker waits before looking again")
+    p.add_argument("--fit", default="attnlab.train:fit", help="module:function that trains (tests use a fake)")
+
+
+def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `ablate run|worker|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
+    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, status, table, plot")
+    sub = ab.add_subparsers(dest="ablate_command", required=True)
+    run = sub.add_parser("run", help="run the missing points of a study with N local workers")
+    _worker_args(run)
+    run.add_argument("--workers", type=int, default=1, help="local worker processes (1: in this process)")
+    worker = sub.add_parser("worker", help="one worker: claim points and run them until none is left")
+    _worker_args(worker)
+    worker.add_argument("--max-trials", type=int, default=None, help="stop after this many trials")
+    for name, text in (("status", "which points are done, running, failed, invalid, pending"),
+                       ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
+                       ("plot", "curves.png and metric.png from the stored trials")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("study", help="the ablation file, or its study directory")
+        p.add_argument("--dir", default=None, help="study directory when it is not the default")
+        p.add_argument("--storage", default=None, help="storage URL or journal file, when not the one recorded")
+        if name == "status":
+            p.add_argument("--grace", type=int, default=120, help="seconds without heartbeat shown as stale")
+        else:
+            p.add_argument("--out", default=None, help="output directory (default: the study directory)")
+    return ab
+
+
+def _options(args: argparse.Namespace):
+    from .runner import Options
+
+    return Options(fit=args.fit, heartbeat_s=args.heartbeat, grace_s=args.grace, poll_s=args.poll,
+                   max_trials=getattr(args, "max_trials", None))
+
+
+def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
+    if overrides:
+        raise ConfigError(f"attnlab ablate takes no --section.key overrides (put them in the file): {list(overrides)}")
+    from .report import plot, write_table
+    from .runner import format_status, open_study, prepare_study, run_study, work
+    from .spec import load_spec
+
+    sub = args.ablate_command
+    if sub == "run":
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers} must be >= 1")
+        spec = load_spec(args.spec)
+        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, _options(args))
+        print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+        print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
+        return 0 if set(counts) <= {"done", "invalid"} else 1
+    if sub == "worker":
+        spec = load_spec(args.spec)
+        h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
+        n = work(h, _options(args))
+        logging.getLogger("attnlab.ablate").info("worker done: %d trial(s)", n)
+        return 0
+    h = open_study(args.study, args.storage, args.dir)
+    if sub == "status":
+        print(format_status(h, args.grace))
+        return 0
+    out = Path(args.out) if args.out else None
+    if sub == "table":
+        md, paths = write_table(h, out)
+        print(md)
+        print(f"\nwritten: {', '.join(str(p) for p in paths)}")
+        return 0
+    if sub == "plot":
+        paths = plot(h, out)
+        print(f"written: {', '.join(str(p) for p in paths)}")
+        return 0
+    raise ConfigError(f"unknown ablate command {sub!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`attnlab ablate ...` on its own (worker processes start this way; the attnlab CLI wires the same)."""
+    parser = argparse.ArgumentParser(prog="attnlab")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_ablate_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("attnlab").setLevel(logging.INFO)
+    try:
+        return cmd_ablate(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"attnlab ablate {args.ablate_command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,604 @@
+"""Run an ablation: one optuna study, local or distributed workers, every point exactly once.
+
+Each grid point is a (variant, seed) with a stable `point_id`. Workers do not let a sampler pick points:
+optuna's GridSampler can hand one point to two workers near the end of a grid, starts new trials on a
+finished one, and cannot express a `variants:` list. Instead a worker *claims* a point:
+
+1. under a lock file in the study directory (`claim.lock`, created with O_EXCL, safe on NFS; a lock left by
+   a killed worker is broken after 30 s), it reads the study's trials, fails RUNNING trials whose heartbeat
+   is older than the grace period, and picks the first point that has no COMPLETE trial, no invalid record,
+   no live RUNNING trial, and fewer than 1 + retries failed attempts;
+2. it creates a RUNNING trial with user attrs point_id, variant, seed, overrides and a heartbeat;
+3. it reads the trials again: if a live trial for the same point has a lower number (a worker that did not
+   share the lock), its own trial is recorded as a duplicate and never runs.
+
+So every point has at most one live trial and, once done, exactly one COMPLETE trial: guaranteed for all
+workers that share the study directory (local workers, SLURM jobs on a shared file system), and by step 3
+alone on storages that order writes (SQLite, a journal file). While a trial runs, a thread stamps its
+`heartbeat` user attr every `heartbeat_s`; a worker that dies stops stamping, and after `grace_s` the next
+claim fails its trial ("lost") and runs the point again, resuming from `run_dir/checkpoints/last.ckpt` when
+the run left one. Heartbeats are kept as user attrs rather than optuna's RDB heartbeat because optuna's
+JournalStorage has none, and the SLURM runner uses a journal file. A worker whose trial was declared lost
+while it was merely frozen gets UpdateFinishedTrialError when it reports: its result is discarded.
+
+A trial whose config cannot run is recorded as FAIL with status=invalid and the reason, never retried. A
+trial that raises is FAIL with status=error, the error and the traceback tail, and is tried again while
+the point has fewer than 1 + retries failed (error or lost) attempts.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.trial import FrozenTrial, TrialState
+
+from ..config import ConfigError, load_yaml
+from ..experiment import Experiment
+from .spec import AblationSpec, fmt, load_spec, short_key
+
+log = logging.getLogger("attnlab.ablate")
+
+DEFAULT_FIT = "attnlab.train:fit"
+DONE, INVALID, RUNNING, STALE, FAILED, PENDING = "done", "invalid", "running", "stale", "failed", "pending"
+FitFn = Callable[..., Any]  # fit(exp, ckpt_path=None) -> run directory
+
+
+@dataclass
+class Options:
+    """How workers behave. Every worker of a study must use the same heartbeat_s and grace_s."""
+
+    fit: str = DEFAULT_FIT  # "module:function" with train.fit's signature; importable by worker processes
+    heartbeat_s: int = 30
+    grace_s: int = 120  # a RUNNING trial with no heartbeat for this long is lost
+    poll_s: float = 10.0  # how often an idle worker looks again while other workers' points run
+    max_trials: int | None = None  # per worker; None = until nothing is left
+
+
+@dataclass
+class StudyHandle:
+    spec: AblationSpec
+    dir: Path
+    url: str
+    storage: BaseStorage
+    study: optuna.Study
+    study_id: int
+
+
+@dataclass
+class PointState:
+    point_id: str
+    variant: str
+    seed: int
+    status: str
+    trials: list[FrozenTrial] = field(default_factory=list)
+    attempts: int = 0  # failed attempts that count against `retries` (error, lost)
+
+    @property
+    def result(self) -> FrozenTrial | None:
+        return next((t for t in self.trials if t.state == TrialState.COMPLETE), None)
+
+    @property
+    def reason(self) -> str:
+        for t in reversed(self.trials):
+            text = t.user_attrs.get("reason") or t.user_attrs.get("error")
+            if text:
+                return str(text)
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def default_study_dir(spec: AblationSpec) -> Path:
+    """<base trainer.runs_dir>/ablations/<name>, e.g. runs/ablations/block_variants."""
+    return Path(spec.experiment({}).trainer.runs_dir) / "ablations" / spec.name
+
+
+def storage_url(study_dir: Path, storage: str | None) -> str:
+    """SQLite in the study directory unless given: an optuna storage URL, or a journal file path."""
+    if storage and "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
+        return str(Path(storage.removeprefix("journal:")).resolve())
+    return storage or f"sqlite:///{(study_dir / 'study.db').resolve()}"
+
+
+def open_storage(url: str) -> BaseStorage:
+    if "://" not in url:  # a journal file (shared file systems: one appended log, O_EXCL lock)
+        path = Path(url).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
+        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    return RDBStorage(url)
+
+
+def quiet_optuna() -> None:
+    import warnings
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None) -> StudyHandle:
+    """Create (or open) the study and record the spec in it; call once before starting workers."""
+    quiet_optuna()
+    study_dir = (study_dir or default_study_dir(spec)).resolve()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    url = storage_url(study_dir, storage)
+    for attempt in range(3):  # two `run`s creating one SQLite schema at once: the loser retries
+        try:
+            st = open_storage(url)
+            study = optuna.create_study(storage=st, study_name=spec.name, load_if_exists=True,
+                                        direction="maximize" if spec.direction == "max" else "minimize")
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+            time.sleep(1.0 + attempt)
+    baseline = spec.baseline()
+    study.set_user_attr("spec", spec.to_dict())
+    study.set_user_attr("baseline", baseline.key if baseline else None)
+    if not spec.is_search:
+        study.set_user_attr("variants", [{"key": v.key, "name": v.name} for v in spec.variants()])
+    info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
+    (study_dir / "study.yaml").write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
+
+
+def connect(spec: AblationSpec, study_dir: Path, storage: str | None = None) -> StudyHandle:
+    """Open an existing study (workers, status, reports)."""
+    quiet_optuna()
+    study_dir = study_dir.resolve()
+    url = storage_url(study_dir, storage)
+    st = open_storage(url)
+    try:
+        study = optuna.load_study(study_name=spec.name, storage=st)
+    except KeyError:
+        raise ConfigError(f"no study {spec.name!r} in {url}; run `attnlab ablate run {spec.path}` first") from None
+    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
+
+
+def open_study(ref: str | Path, storage: str | None = None, study_dir: str | Path | None = None) -> StudyHandle:
+    """A study from an ablation file or a study directory (which holds study.yaml, written by `run`)."""
+    ref = Path(ref)
+    if ref.is_dir():
+        info_path = ref / "study.yaml"
+        if not info_path.exists():
+            raise ConfigError(f"{ref} is not a study directory (no study.yaml); give the ablation file instead")
+        info = load_yaml(info_path)
+        return connect(load_spec(info["spec"]), ref, storage or info["storage"])
+    spec = load_spec(ref)
+    sdir = Path(study_dir) if study_dir else default_study_dir(spec)
+    info_path = sdir / "study.yaml"
+    if storage is None and info_path.exists():
+        storage = load_yaml(info_path)["storage"]
+    return connect(spec, sdir, storage)
+
+
+@contextmanager
+def claim_lock(study_dir: Path) -> Iterator[None]:
+    lock = JournalFileOpenLock(str(study_dir / "claim"), grace_period=30)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# ---------------------------------------------------------------------------------------------- state
+def trial_status(t: FrozenTrial, now: float, grace_s: float) -> str:
+    if t.state == TrialState.COMPLETE:
+        return DONE
+    if t.state == TrialState.RUNNING:
+        return STALE if now - float(t.user_attrs.get("heartbeat", 0)) > grace_s else RUNNING
+    if t.state == TrialState.FAIL:
+        return str(t.user_attrs.get("status", "lost"))  # error | invalid | duplicate | interrupted | lost
+    return t.state.name.lower()
+
+
+def point_states(h: StudyHandle, trials: list[FrozenTrial] | None = None, grace_s: float = 120.0
+                 ) -> dict[str, PointState]:
+    """The state of every point: grid points of the spec (in order), or a search's points as trials made them."""
+    trials = h.study.get_trials(deepcopy=False) if trials is None else trials
+    now = time.time()
+    states: dict[str, PointState] = {}
+    if not h.spec.is_search:
+        for p in h.spec.points():
+            states[p.point_id] = PointState(p.point_id, p.variant.name, p.seed, PENDING)
+    for t in sorted(trials, key=lambda t: t.number):
+        pid = t.user_attrs.get("point_id")
+        if pid is None or (pid not in states and not h.spec.is_search):
+            continue  # not a point of this file (an axis value since removed)
+        if pid not in states:
+            states[pid] = PointState(pid, str(t.user_attrs.get("variant")), int(t.user_attrs.get("seed", 0)), PENDING)
+        states[pid].trials.append(t)
+    for s in states.values():
+        kinds = [trial_status(t, now, grace_s) for t in s.trials]
+        s.attempts = sum(k in ("error", "lost") for k in kinds)
+        for status in (DONE, INVALID, RUNNING, STALE):
+            if status in kinds:
+                s.status = status
+                break
+        else:
+            s.status = FAILED if s.attempts > h.spec.retries else PENDING
+    return states
+
+
+def fail_stale(h: StudyHandle, grace_s: float) -> int:
+    """Fail RUNNING trials whose heartbeat is older than grace_s (their worker died). Returns how many."""
+    now, n = time.time(), 0
+    for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial_status(t, now, grace_s) == STALE:
+            try:
+                h.storage.set_trial_user_attr(t._trial_id, "lost_at", now)
+                h.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                n += 1
+                log.warning("trial %d (%s) lost its worker: no heartbeat for %.0f s", t.number,
+                            t.user_attrs.get("variant"), now - float(t.user_attrs.get("heartbeat", 0)))
+            except UpdateFinishedTrialError:
+                pass  # its worker reported after all, or another worker failed it first
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- claims
+@dataclass
+class Claim:
+    trial_id: int
+    number: int
+    point_id: str
+    variant: str
+    overrides: dict[str, Any]
+    seed: int
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _attrs(point_id: str, variant: str, overrides: dict[str, Any], seed: int, attempt: int) -> dict[str, Any]:
+    return {"point_id": point_id, "variant": variant, "overrides": overrides, "seed": seed, "attempt": attempt,
+            "worker": worker_name(), "heartbeat": time.time()}
+
+
+def _create_running(h: StudyHandle, attrs: dict[str, Any], params: dict[str, Any] | None = None,
+                    dists: dict[str, BaseDistribution] | None = None) -> tuple[int, int]:
+    template = optuna.trial.create_trial(state=TrialState.RUNNING, params=params or {},
+                                         distributions=dists or {}, user_attrs=attrs)
+    tid = h.storage.create_new_trial(h.study_id, template_trial=template)
+    return tid, h.storage.get_trial(tid).number
+
+
+def _first_live_claim(h: StudyHandle, point_id: str, number: int, grace_s: float) -> bool:
+    """After creating trial `number` for point_id: is it the lowest-numbered live trial of that point?"""
+    now = time.time()
+    for t in h.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("point_id") == point_id and t.number < number:
+            if trial_status(t, now, grace_s) in (DONE, INVALID, RUNNING, STALE):
+                return False
+    return True
+
+
+def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
+    """Claim the next point to run. Returns (claim or None, whether other workers still run points)."""
+    with claim_lock(h.dir):
+        fail_stale(h, grace_s)
+        states = point_states(h, grace_s=grace_s)
+        busy = any(s.status in (RUNNING, STALE) for s in states.values())
+        if h.spec.is_search:
+            return _claim_search(h, states, grace_s), busy
+        for p in h.spec.points():
+            s = states[p.point_id]
+            if s.status != PENDING:
+                continue
+            attrs = _attrs(p.point_id, p.variant.name, p.variant.overrides, p.seed, s.attempts + 1)
+            attrs["variant_key"] = p.variant.key
+            tid, number = _create_running(h, attrs)
+            if _first_live_claim(h, p.point_id, number, grace_s):
+                return Claim(tid, number, p.point_id, p.variant.name, p.variant.overrides, p.seed), busy
+            _finish(h, tid, TrialState.FAIL, {"status": "duplicate"})
+            log.warning("point %s was claimed by another worker first; trial %d recorded as duplicate",
+                        p.variant.name, number)
+        return None, busy
+
+
+def optuna_distributions(spec: AblationSpec) -> dict[str, BaseDistribution]:
+    out: dict[str, BaseDistribution] = {}
+    for d in spec.distributions:
+        if d.type == "categorical":
+            out[d.key] = CategoricalDistribution(list(d.choices))
+        elif d.type == "int":
+            out[d.key] = IntDistribution(int(d.low), int(d.high), log=d.log, step=int(d.step or 1))  # type: ignore[arg-type]
+        else:
+            out[d.key] = FloatDistribution(float(d.low), float(d.high), log=d.log, step=d.step)  # type: ignore[arg-type]
+    return out
+
+
+def _claim_search(h: StudyHandle, states: dict[str, PointState], grace_s: float) -> Claim | None:
+    """A TPE search: first re-run failed or lost points with their parameters, then ask for new ones."""
+    seed = h.spec.seeds[0]
+    for s in states.values():
+        if s.status == PENDING and s.trials:
+            first = s.trials[0]
+            attrs = _attrs(s.point_id, s.variant, dict(first.user_attrs["overrides"]), seed, s.attempts + 1)
+            tid, number = _create_running(h, attrs, first.params, first.distributions)
+            return Claim(tid, number, s.point_id, s.variant, attrs["overrides"], seed)
+    if len(states) >= h.spec.n_trials:
+        return None
+    trial = h.study.ask(optuna_distributions(h.spec))
+    keys = list(trial.params)
+    variant = " ".join(f"{short_key(k, keys)}={v:.3g}" if isinstance(v, float) else f"{short_key(k, keys)}={fmt(v)}"
+                       for k, v in trial.params.items())
+    point_id = f"s{trial.number:04d}"
+    for k, v in _attrs(point_id, variant, dict(trial.params), seed, 1).items():
+        trial.set_user_attr(k, v)
+    return Claim(trial._trial_id, trial.number, point_id, variant, dict(trial.params), seed)
+
+
+# ---------------------------------------------------------------------------------------------- trials
+class Heartbeat(threading.Thread):
+    """Stamps the trial's `heartbeat` user attr every interval until stopped."""
+
+    def __init__(self, storage: BaseStorage, trial_id: int, interval_s: float) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{trial_id}")
+        self.storage, self.trial_id, self.interval_s = storage, trial_id, interval_s
+        self.stopped = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.storage.set_trial_user_attr(self.trial_id, "heartbeat", time.time())
+            except UpdateFinishedTrialError:
+                self.lost = True
+                log.warning("trial (id %d) was declared lost by another worker; its result will be discarded",
+                            self.trial_id)
+                return
+            except Exception as e:  # a busy database: try again at the next beat
+                log.warning("heartbeat of trial id %d failed: %s", self.trial_id, e)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _finish(h: StudyHandle, trial_id: int, state: TrialState, attrs: dict[str, Any],
+            value: float | None = None) -> bool:
+    """Record attrs, then the final state. False when another worker already finished (failed) the trial."""
+    try:
+        for k, v in attrs.items():
+            h.storage.set_trial_user_attr(trial_id, k, v)
+        h.storage.set_trial_state_values(trial_id, state, [value] if value is not None else None)
+        return True
+    except UpdateFinishedTrialError:
+        log.warning("trial id %d was already finished (declared lost?); this result is discarded", trial_id)
+        return False
+
+
+def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any], seed: int) -> Experiment:
+    """The experiment a point runs: its own run directory <study>/runs/<name>-<config hash>, named up front
+    so a rerun of the point finds the checkpoint of an earlier, interrupted attempt."""
+    exp = spec.experiment(overrides, seed)
+    exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs"), progress_bar=False))
+    return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}"))
+
+
+def resolve_fit(fit: str | FitFn) -> FitFn:
+    if callable(fit):
+        return fit
+    module, _, name = fit.partition(":")
+    if not name:
+        raise ConfigError(f"--fit {fit!r}: expected module:function, e.g. {DEFAULT_FIT}")
+    return getattr(importlib.import_module(module), name)
+
+
+def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every logged column of a Lightning CSVLogger metrics.csv as (step, value) pairs, in step order."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            if not row.get("step"):
+                continue
+            step = int(float(row["step"]))
+            for k, v in row.items():
+                if k not in ("step", "epoch") and v not in ("", None):
+                    curves.setdefault(k, []).append((step, float(v)))
+    return {k: sorted(v, key=lambda x: x[0]) for k, v in curves.items()}
+
+
+def keep_metrics(run_dir: Path) -> None:
+    """Before a resume: Lightning's CSVLogger rewrites metrics.csv from the resumed step on, so keep the
+    earlier attempt's file as metrics.part<k>.csv; `run_curves` joins the parts back into one curve."""
+    csv_path = run_dir / "logs" / "metrics.csv"
+    if csv_path.exists():
+        k = len(list(csv_path.parent.glob("metrics.part*.csv")))
+        csv_path.rename(csv_path.parent / f"metrics.part{k}.csv")
+
+
+def run_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every column of a run's metrics, earlier attempts' parts first; a later part replaces from its first step."""
+    logs = run_dir / "logs"
+    parts = sorted(logs.glob("metrics.part*.csv"), key=lambda p: int(p.stem.removeprefix("metrics.part")))
+    if (logs / "metrics.csv").exists():
+        parts.append(logs / "metrics.csv")
+    if not parts:
+        raise FileNotFoundError(f"{logs / 'metrics.csv'}: the run wrote no metrics")
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for part in parts:
+        for k, points in read_metrics(part).items():
+            start = points[0][0]
+            curves[k] = [p for p in curves.get(k, []) if p[0] < start] + points
+    return curves
+
+
+def collect(run_dir: Path, exp: Experiment, metric: str) -> dict[str, Any]:
+    """What a finished run reports: the metric's last value, its curve, every val/ curve, params, tokens/s."""
+    from ..config import ModelConfig
+    from ..models.accounting import count_parameters
+
+    curves = run_curves(run_dir)
+    csv_path = run_dir / "logs" / "metrics.csv"
+    if not curves.get(metric):
+        raise ValueError(f"{metric} was never logged in {csv_path} (columns: {sorted(curves)}); "
+                         f"does trainer.val_every={exp.trainer.val_every} fit in the budget?")
+    model = exp.model
+    resolved = run_dir / "config.yaml"
+    if resolved.exists():  # the vocabulary the tokenizer gave the run
+        model = ModelConfig.from_dict(load_yaml(resolved)["model"])
+    speeds = sorted(v for _, v in curves.get("train/tokens_per_s", []))
+    return {
+        "metric": curves[metric][-1][1],
+        "n_params": count_parameters(model)["total"],
+        "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # median: robust to the first step
+        "curve": {"step": [s for s, _ in curves[metric]], "value": [v for _, v in curves[metric]]},
+        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items() if k.startswith("val/")},
+    }
+
+
+def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> str:
+    """Run one claimed point to its recorded end. Returns the status recorded."""
+    beat = Heartbeat(h.storage, claim.trial_id, heartbeat_s)
+    beat.start()
+    try:
+        try:
+            exp = trial_experiment(h.spec, h.dir, claim.overrides, claim.seed)
+        except ConfigError as e:
+            _finish(h, claim.trial_id, TrialState.FAIL, {"status": INVALID, "reason": str(e)})
+            log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
+            return INVALID
+        run_dir = exp.run_dir()
+        resume = (run_dir / "checkpoints" / "last.ckpt").exists()
+        if resume:
+            keep_metrics(run_dir)
+        for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume}.items():
+            h.storage.set_trial_user_attr(claim.trial_id, k, v)
+        log.info("trial %d: %s seed %d%s -> %s", claim.number, claim.variant, claim.seed,
+                 " (resuming)" if resume else "", run_dir)
+        t0 = time.perf_counter()
+        try:
+            out = fit(exp, ckpt_path="last" if resume else None)
+            result = collect(Path(out) if out else run_dir, exp, h.spec.metric)
+        except KeyboardInterrupt:
+            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
+            raise
+        except Exception as e:
+            tb = traceback.format_exc()
+            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
+                                                         "traceback": tb[-4000:]})
+            log.warning("trial %d %s seed %d failed: %s: %s", claim.number, claim.variant, claim.seed,
+                        type(e).__name__, e)
+            return "error"
+        result["wall_s"] = time.perf_counter() - t0
+        value = result["metric"]
+        if not math.isfinite(value):
+            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{h.spec.metric} = {value}"})
+            return "error"
+        ok = _finish(h, claim.trial_id, TrialState.COMPLETE, result, value)
+        return DONE if ok else "lost"
+    finally:
+        beat.stop()
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
+    """A worker: claim, run, repeat; wait while other workers' points may still come back; return trials run."""
+    fit_fn = fit or resolve_fit(opts.fit)
+    n = 0
+    while opts.max_trials is None or n < opts.max_trials:
+        claim, busy = claim_next(h, opts.grace_s)
+        if claim is None:
+            if not busy:
+                break
+            time.sleep(opts.poll_s)  # a running point may still be lost and need running again
+            continue
+        run_claim(h, claim, fit_fn, opts.heartbeat_s)
+        n += 1
+    return n
+
+
+def worker_command(h: StudyHandle, opts: Options) -> list[str]:
+    """The command line of one worker process (what --workers N starts N times, and SLURM tasks run)."""
+    cmd = [sys.executable, "-c", "import sys; from attnlab.ablate import main; sys.exit(main())", "ablate", "worker",
+           str(h.spec.path), "--dir", str(h.dir), "--storage", h.url, "--fit", opts.fit,
+           "--heartbeat", str(opts.heartbeat_s), "--grace", str(opts.grace_s), "--poll", str(opts.poll_s)]
+    if opts.max_trials is not None:
+        cmd += ["--max-trials", str(opts.max_trials)]
+    return cmd
+
+
+def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None, workers: int = 1,
+              opts: Options | None = None, fit: FitFn | None = None) -> dict[str, int]:
+    """Run what is missing of a study with `workers` local workers; returns the count of points by status.
+
+    One worker runs in this process (with `fit` when given, a callable for tests); more are started as
+    separate processes of `worker_command`, each with an equal share of the CPU threads."""
+    opts = opts or Options()
+    h = prepare_study(spec, study_dir, storage)
+    if workers <= 1:
+        work(h, opts, fit)
+    else:
+        if fit is not None:
+            raise ValueError("run_study(workers > 1) starts processes: give the fit as opts.fit='module:function'")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        procs = [subprocess.Popen(worker_command(h, opts), env=env) for _ in range(workers)]
+        try:
+            codes = [p.wait() for p in procs]
+        except KeyboardInterrupt:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait()
+            raise
+        if any(codes):
+            log.warning("worker exit codes: %s", codes)
+    return status_counts(h, opts.grace_s)
+
+
+def status_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in point_states(h, grace_s=grace_s).values():
+        counts[s.status] = counts.get(s.status, 0) + 1
+    return counts
+
+
+def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
+    """Which points are done, running, failed, invalid, pending; one line each."""
+    states = list(point_states(h, grace_s=grace_s).values())
+    counts = {k: sum(s.status == k for s in states) for k in (DONE, RUNNING, STALE, FAILED, INVALID, PENDING)}
+    total = h.spec.n_trials if h.spec.is_search else len(states)
+    if h.spec.is_search:
+        counts[PENDING] += max(0, h.spec.n_trials - len(states))
+    lines = [f"study {h.spec.name}  ({h.url})  metric {h.spec.metric} ({h.spec.direction})",
+             f"{total} points: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v) + "\n"]
+    width = max([len(s.variant) for s in states] + [7])
+    lines.append(f"{'status':<8}  {'variant':<{width}}  seed  tries  result")
+    for s in states:
+        r = s.result
+        if r is not None:
+            detail = f"{h.spec.metric}={r.value:.4g}  (trial {r.number}, {r.user_attrs.get('wall_s', 0):.0f} s)"
+        elif s.status in (RUNNING, STALE):
+            t = s.trials[-1]
+            detail = f"trial {t.number} on {t.user_attrs.get('worker')}"
+            detail += f", last heartbeat {time.time() - float(t.user_attrs.get('heartbeat', 0)):.0f} s ago"
+        else:
+            detail = s.reason.splitlines()[0][:100] if s.reason else ""
+        tries = len([t for t in s.trials if t.user_attrs.get("status") != "duplicate"])
+        lines.append(f"{s.status:<8}  {s.variant:<{width}}  {s.seed:>4}  {tries:>5}  {detail}")
+    return "\n".join(lines)
+

@@ -1,0 +1,413 @@
+"""An ablation file: a base experiment, what varies (a grid of axes, a list of variants, or an optuna
+search), seeds, the metric and its direction, the budget and resources of one trial.
+
+    name: block_variants                      # default: the file's stem
+    base: ../experiments/demo_en_de.yaml      # relative to this file
+    metric: {name: val/bleu, direction: max}
+    seeds: [1, 2]                             # or a count: 2 means [1, 2]
+    budget: {steps: 2000}                     # trainer.max_steps; {time_min: 30} sets trainer.max_time_min
+    resources: {devices: 1}                   # per trial; devices also sets trainer.devices
+    retries: 2                                # a failing point is tried 1 + retries times
+    overrides: {trainer.val_every: 500}       # applied to every trial
+    axes:                                     # a full grid: the product of the value lists
+      model.norm: [layernorm, rmsnorm]
+    variants:                                 # and/or a list of named one-off overrides (Table 3 style)
+      - {name: "(A) h=1", model.n_heads: 1}
+
+or, instead of axes/variants, a TPE search:
+
+    search: optuna
+    n_trials: 20
+    distributions:
+      optim.lr: {type: float, low: 1.0e-4, high: 3.0e-3, log: true}
+      model.ffn: {type: categorical, choices: [gelu, swiglu]}
+
+A key or value that can never run is an error here, naming it: unknown fields, an axis naming no config
+field, a value the field cannot take. A *combination* that cannot run (attn_softcap with sdpa from two axes)
+is not: its trial is recorded as invalid with the reason when the study runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, load_yaml
+from ..experiment import SECTIONS, Experiment, apply_override, from_raw, load_raw
+
+TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
+            "axes", "variants", "search", "n_trials", "distributions", "search_seed")
+RESOURCE_KEYS = ("devices", "nodes", "cpus", "mem_gb", "time_min", "partition")
+DIST_TYPES = ("float", "int", "log", "categorical")
+TRANSLATION_ONLY = ("val/bleu", "val/chrf")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration that differs from the base by `overrides` (dotted keys)."""
+
+    name: str
+    overrides: dict[str, Any]
+    levels: tuple[str, ...] = ()  # the factor levels it is made of ("model.norm=rmsnorm", "variant=(A) h=1")
+
+    @property
+    def key(self) -> str:
+        return canonical_key(self.overrides)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trial of a grid: a variant and a seed. `point_id` is stable across runs of the same file."""
+
+    variant: Variant
+    seed: int
+
+    @property
+    def point_id(self) -> str:
+        return hashlib.sha1(f"{self.variant.key}|seed={self.seed}".encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    key: str
+    type: str
+    low: float | int | None = None
+    high: float | int | None = None
+    step: float | int | None = None
+    log: bool = False
+    choices: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class AblationSpec:
+    name: str
+    path: Path  # the ablation file
+    base: Path  # the base experiment recipe
+    metric: str
+    direction: str  # max | min
+    seeds: tuple[int, ...]
+    budget_steps: int | None = None
+    budget_time_min: float | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    retries: int = 2
+    overrides: dict[str, Any] = field(default_factory=dict)
+    axes: dict[str, list[Any]] = field(default_factory=dict)
+    variant_list: tuple[Variant, ...] = ()
+    distributions: tuple[Distribution, ...] = ()
+    n_trials: int = 0
+    search_seed: int = 0
+    description: str = ""
+
+    @property
+    def is_search(self) -> bool:
+        return bool(self.distributions)
+
+    # ----- what varies -----
+    def variants(self) -> list[Variant]:
+        """The grid's variants: explicit variants (or the base alone) x the product of the axes, in file order."""
+        listed = list(self.variant_list) or [Variant("base", {}, ())]
+        keys = list(self.axes)
+        out = []
+        for v in listed:
+            for values in itertools.product(*(self.axes[k] for k in keys)):
+                over = {**v.overrides, **dict(zip(keys, values, strict=True))}
+                parts = ([v.name] if self.variant_list else []) + [
+                    f"{short_key(k, keys)}={fmt(x)}" for k, x in zip(keys, values, strict=True)]
+                levels = v.levels + tuple(f"{k}={fmt(x)}" for k, x in zip(keys, values, strict=True))
+                out.append(Variant(" ".join(parts) or v.name, over, levels))
+        return out
+
+    def points(self) -> list[Point]:
+        """Every (variant, seed) of a grid, seed-major: each variant's first seed comes before any second."""
+        variants = self.variants()
+        return [Point(v, s) for s in self.seeds for v in variants]
+
+    def baseline(self) -> Variant | None:
+        """The variant whose varied fields all equal the base experiment's own values; failing that, the first
+        variant (the first value of each axis, or the first listed variant). None for a search."""
+        if self.is_search:
+            return None
+        variants = self.variants()
+        base = flatten(self.experiment({}).to_dict())
+        for v in variants:
+            if all(base.get(k) == x for k, x in v.overrides.items()):
+                return v
+        return variants[0]
+
+    # ----- configs -----
+    def trial_overrides(self, variant_overrides: dict[str, Any], seed: int) -> dict[str, Any]:
+        """Base <- fixed overrides <- budget and resources <- the variant <- the seed."""
+        out = dict(self.overrides)
+        if self.budget_steps is not None:
+            out["trainer.max_steps"] = self.budget_steps
+        if self.budget_time_min is not None:
+            out["trainer.max_time_min"] = self.budget_time_min
+        if "devices" in self.resources:
+            out["trainer.devices"] = self.resources["devices"]
+        out.update(variant_overrides)
+        out["trainer.seed"] = seed
+        return out
+
+    def experiment(self, variant_overrides: dict[str, Any], seed: int | None = None) -> Experiment:
+        """The Experiment of one trial (ConfigError when the combination cannot run)."""
+        raw = copy.deepcopy(_base_raw(self.base))
+        over = self.trial_overrides(variant_overrides, self.seeds[0] if seed is None else seed)
+        for k, v in over.items():
+            apply_override(raw, k, v)
+        return from_raw(raw, str(self.base))
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a study stores about its spec (JSON), so status, tables and plots need no files."""
+        return {"name": self.name, "path": str(self.path), "base": str(self.base), "metric": self.metric,
+                "direction": self.direction, "seeds": list(self.seeds), "retries": self.retries,
+                "search": self.is_search, "n_trials": self.n_trials}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def canonical_key(overrides: dict[str, Any]) -> str:
+    return json.dumps(overrides, sort_keys=True, default=str)
+
+
+def fmt(x: Any) -> str:
+    if isinstance(x, bool):
+        return str(x).lower()
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def short_key(key: str, keys: list[str]) -> str:
+    """`norm` for model.norm unless another axis has the same field name in another section."""
+    tail = key.split(".", 1)[-1]
+    return tail if sum(k.split(".", 1)[-1] == tail for k in keys) == 1 else key
+
+
+def flatten(d: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, sec in d.items() if isinstance(sec, dict) for k, v in sec.items()}
+
+
+_RAW_CACHE: dict[tuple[Path, float], dict[str, Any]] = {}
+
+
+def _base_raw(path: Path) -> dict[str, Any]:
+    key = (path, path.stat().st_mtime)
+    if key not in _RAW_CACHE:
+        _RAW_CACHE[key] = load_raw(path)
+    return _RAW_CACHE[key]
+
+
+def field_type(dotted: str, where: str) -> Any:
+    """The type hint of a config field; ConfigError naming `where` when `dotted` names no field."""
+    section, _, name = dotted.partition(".")
+    if section not in SECTIONS or not name or "." in name:
+        valid = ", ".join(f"{s}.<field>" for s in SECTIONS)
+        raise ConfigError(f"{where}: {dotted!r} names no config field; expected one of {valid}")
+    hints = typing.get_type_hints(SECTIONS[section])
+    names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if name not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+        raise ConfigError(f"{where}: {dotted} names no config field{hint}")
+    return hints[name]
+
+
+def coerce(value: Any, tp: Any) -> Any:
+    """YAML 1.1 reads 1e-4 as a string; a float field takes it as the number it means."""
+    if isinstance(value, str) and _FLOAT_RE.match(value) and (tp is float or float in typing.get_args(tp)):
+        return float(value)
+    return value
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_spec(path: str | Path) -> AblationSpec:
+    """Read and check an ablation file. Needs the base recipe, never the data."""
+    path = Path(path).resolve()
+    if not path.exists():
+        raise ConfigError(f"ablation file not found: {path}")
+    raw = load_yaml(path)
+    src = str(path)
+    unknown = [k for k in raw if k not in TOP_KEYS]
+    _need(not unknown, f"{src}: unknown key(s) {unknown}; expected some of {', '.join(TOP_KEYS)}")
+    _need("base" in raw, f"{src}: base: is required (a path to an experiments/ recipe, relative to this file)")
+    base = (path.parent / str(raw["base"])).resolve()
+    _need(base.exists(), f"{src}: base: {raw['base']} not found (looked for {base})")
+
+    metric = raw.get("metric", {"name": "val/loss", "direction": "min"})
+    if isinstance(metric, str):
+        metric = {"name": metric, "direction": "max" if metric in TRANSLATION_ONLY else "min"}
+    _need(isinstance(metric, dict) and set(metric) <= {"name", "direction"} and "name" in metric,
+          f"{src}: metric: expected {{name: val/bleu, direction: max}}, got {metric!r}")
+    direction = metric.get("direction", "min")
+    _need(direction in ("max", "min"), f"{src}: metric.direction={direction!r} is not one of: max, min")
+
+    seeds = raw.get("seeds", [1])
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        _need(seeds >= 1, f"{src}: seeds={seeds} must be >= 1 (a count) or a list")
+        seeds = list(range(1, seeds + 1))
+    _need(isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+          and len(set(seeds)) == len(seeds), f"{src}: seeds must be a count or a list of distinct ints, got {seeds!r}")
+
+    budget = raw.get("budget") or {}
+    _need(isinstance(budget, dict) and set(budget) <= {"steps", "time_min"},
+          f"{src}: budget: expected {{steps: N}} and/or {{time_min: M}}, got {budget!r}")
+    steps, time_min = budget.get("steps"), budget.get("time_min")
+    _need(steps is None or (isinstance(steps, int) and steps >= 1),
+          f"{src}: budget.steps={steps!r} must be an int >= 1")
+    _need(time_min is None or (isinstance(time_min, (int, float)) and time_min > 0),
+          f"{src}: budget.time_min={time_min!r} must be a number > 0")
+
+    resources = raw.get("resources") or {}
+    _need(isinstance(resources, dict), f"{src}: resources must be a mapping")
+    bad = [k for k in resources if k not in RESOURCE_KEYS]
+    _need(not bad, f"{src}: unknown resources key(s) {bad}; expected some of {', '.join(RESOURCE_KEYS)}")
+    retries = raw.get("retries", 2)
+    _need(isinstance(retries, int) and retries >= 0, f"{src}: retries={retries!r} must be an int >= 0")
+
+    overrides = _overrides(raw.get("overrides") or {}, f"{src}: overrides")
+    axes = _axes(raw.get("axes") or {}, src)
+    variant_list = _variants(raw.get("variants") or [], src)
+    reserved = {"trainer.seed": "seeds:"}
+    if steps is not None:
+        reserved["trainer.max_steps"] = "budget.steps"
+    if time_min is not None:
+        reserved["trainer.max_time_min"] = "budget.time_min"
+    for k in [*axes, *overrides, *(k for v in variant_list for k in v.overrides)]:
+        if k in reserved:
+            raise ConfigError(f"{src}: {k} is set by {reserved[k]}; do not vary or override it directly")
+    clash = [k for v in variant_list for k in v.overrides if k in axes]
+    _need(not clash, f"{src}: {sorted(set(clash))} appear in both axes: and variants:")
+
+    search = raw.get("search")
+    dists = _distributions(raw.get("distributions") or {}, src)
+    n_trials = raw.get("n_trials", 0)
+    if search is not None:
+        _need(search == "optuna", f"{src}: search={search!r}; the only search is 'optuna' (TPE)")
+        _need(bool(dists), f"{src}: search: optuna needs distributions:")
+        _need(not axes and not variant_list, f"{src}: search: optuna replaces axes:/variants:; give one or the other")
+        _need(isinstance(n_trials, int) and n_trials >= 1, f"{src}: search: optuna needs n_trials >= 1")
+        _need(len(seeds) == 1, f"{src}: a search runs one seed per trial; give seeds: [N]")
+    else:
+        _need(not dists and "n_trials" not in raw, f"{src}: distributions:/n_trials: need search: optuna")
+        _need(bool(axes or variant_list), f"{src}: nothing varies: give axes:, variants:, or search: optuna")
+    if metric["name"] in TRANSLATION_ONLY:
+        arch = load_raw(base).get("model", {}).get("arch", "encoder_decoder")
+        _need(arch == "encoder_decoder", f"{src}: metric {metric['name']} is logged by translation experiments only; "
+              f"base {raw['base']} has model.arch={arch}")
+
+    spec = AblationSpec(
+        name=str(raw.get("name", path.stem)), path=path, base=base, metric=str(metric["name"]), direction=direction,
+        seeds=tuple(seeds), budget_steps=steps, budget_time_min=float(time_min) if time_min else None,
+        resources=dict(resources), retries=retries, overrides=overrides, axes=axes, variant_list=variant_list,
+        distributions=dists, n_trials=n_trials if search else 0, search_seed=int(raw.get("search_seed", 0)),
+        description=str(raw.get("description", "")),
+    )
+    spec.experiment({})  # the base itself, with the fixed overrides and budget, must load
+    check_spec(spec)
+    return spec
+
+
+def _overrides(d: Any, where: str) -> dict[str, Any]:
+    _need(isinstance(d, dict), f"{where} must be a mapping of section.field: value")
+    return {k: coerce(v, field_type(k, where)) for k, v in d.items()}
+
+
+def _axes(d: Any, src: str) -> dict[str, list[Any]]:
+    _need(isinstance(d, dict), f"{src}: axes must be a mapping of section.field: [values]")
+    out = {}
+    for k, values in d.items():
+        tp = field_type(k, f"{src}: axes")
+        _need(isinstance(values, list) and values, f"{src}: axes.{k} must be a non-empty list of values")
+        values = [coerce(v, tp) for v in values]
+        _need(len({json.dumps(v, default=str) for v in values}) == len(values), f"{src}: axes.{k} repeats a value")
+        out[k] = values
+    return out
+
+
+def _variants(items: Any, src: str) -> tuple[Variant, ...]:
+    _need(isinstance(items, list), f"{src}: variants must be a list of {{name: ..., section.field: value}}")
+    out, names = [], set()
+    for i, item in enumerate(items):
+        _need(isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"],
+              f"{src}: variants[{i}] needs a name: and section.field: value pairs")
+        name = item["name"]
+        _need(name not in names, f"{src}: variants: two variants are named {name!r}")
+        names.add(name)
+        over = _overrides({k: v for k, v in item.items() if k != "name"}, f"{src}: variants[{name!r}]")
+        out.append(Variant(name, over, (f"variant={name}",)))
+    keys = [v.key for v in out]
+    dup = [v.name for v in out if keys.count(v.key) > 1]
+    _need(not dup, f"{src}: variants {dup} have the same overrides")
+    return tuple(out)
+
+
+def _distributions(d: Any, src: str) -> tuple[Distribution, ...]:
+    _need(isinstance(d, dict), f"{src}: distributions must be a mapping of section.field: {{type: ...}}")
+    out = []
+    for k, spec in d.items():
+        tp = field_type(k, f"{src}: distributions")
+        where = f"{src}: distributions.{k}"
+        _need(isinstance(spec, dict) and spec.get("type") in DIST_TYPES,
+              f"{where}: expected {{type: {'|'.join(DIST_TYPES)}, ...}}, got {spec!r}")
+        allowed = {"type", "choices"} if spec["type"] == "categorical" else {"type", "low", "high", "step", "log"}
+        bad = [x for x in spec if x not in allowed]
+        _need(not bad, f"{where}: unknown key(s) {bad} for type {spec['type']}; expected {sorted(allowed)}")
+        if spec["type"] == "categorical":
+            choices = spec.get("choices")
+            _need(isinstance(choices, list) and choices, f"{where}: categorical needs choices: [...]")
+            out.append(Distribution(k, "categorical", choices=tuple(coerce(c, tp) for c in choices)))
+            continue
+        kind = "int" if spec["type"] == "int" else "float"
+        try:
+            num = int if kind == "int" else float
+            low, high = num(spec["low"]), num(spec["high"])
+            step = num(spec["step"]) if spec.get("step") is not None else None
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{where}: needs numeric low: and high: (and step:), got {spec!r}") from None
+        log = bool(spec.get("log", False)) or spec["type"] == "log"
+        _need(low < high, f"{where}: low={low} must be < high={high}")
+        _need(not (log and low <= 0), f"{where}: a log distribution needs low > 0")
+        _need(not (log and step), f"{where}: log and step cannot be combined")
+        out.append(Distribution(k, kind, low, high, step, log))
+    return tuple(out)
+
+
+def check_spec(spec: AblationSpec) -> None:
+    """Every factor level must be able to run in at least one combination: a level that fails in all of them
+    (model.norm: bogus, or attn_softcap with no axis that could make it valid) is an error naming key=value."""
+    if spec.is_search:
+        for d in spec.distributions:
+            values = list(d.choices) if d.type == "categorical" else [d.low, d.high]
+            for v in values:
+                try:
+                    spec.experiment({d.key: v})
+                except ConfigError as e:
+                    raise ConfigError(f"{spec.path}: distributions.{d.key}: value {v!r} cannot run: {e}") from None
+        return
+    errors: dict[str, str] = {}
+    ok: set[str] = set()
+    for v in spec.variants():
+        try:
+            spec.experiment(v.overrides)
+            ok.update(v.levels)
+        except ConfigError as e:
+            for level in v.levels:
+                errors.setdefault(level, str(e))
+    for level, reason in errors.items():
+        if level not in ok:
+            key, _, value = level.partition("=")
+            where = f"variants: {value!r}" if key == "variant" else f"axes.{key}: value {value!r}"
+            raise ConfigError(f"{spec.path}: {where} cannot run in any combination: {reason}")

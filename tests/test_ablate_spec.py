@@ -1,0 +1,175 @@
+"""Ablation files: the shipped studies load (without data), and every mistake is an error naming its key,
+except an invalid *combination*, which the runner records as an invalid trial."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from attnlab.ablate import load_spec
+from attnlab.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "ablations").glob("*.yaml"))
+
+# Stand-ins for base recipes that are not in experiments/ yet (the real ones are used when present).
+STAND_INS = {
+    "wmt14_en_de_base.yaml": "model: {}\ndata: {}\n",
+    "demo_en_de.yaml": "base: wmt14_en_de_base.yaml\nmodel: {d_model: 256, n_heads: 4}\n",
+    "lm_demo.yaml": "model: {arch: decoder_only, norm_position: pre, d_model: 128, n_heads: 4}\ndata: {}\n",
+}
+
+TINY = "name: tiny\nmodel: {d_model: 64, n_heads: 4, n_enc_layers: 1, n_dec_layers: 1}\ndata: {}\n"
+
+
+def layout(tmp: Path, ablation: Path | None = None, body: str = "") -> Path:
+    """tmp/ablations/<file> beside tmp/experiments/ (the real recipes, plus stand-ins for missing ones)."""
+    exp = tmp / "experiments"
+    if (ROOT / "experiments").is_dir():
+        shutil.copytree(ROOT / "experiments", exp, dirs_exist_ok=True)
+    exp.mkdir(exist_ok=True)
+    for name, text in STAND_INS.items():
+        if not (exp / name).exists():
+            (exp / name).write_text(text, encoding="utf-8")
+    (exp / "tiny.yaml").write_text(TINY, encoding="utf-8")
+    (tmp / "ablations").mkdir(exist_ok=True)
+    if ablation is not None:
+        return Path(shutil.copy(ablation, tmp / "ablations" / ablation.name))
+    path = tmp / "ablations" / "x.yaml"
+    path.write_text("base: ../experiments/tiny.yaml\nmetric: {name: val/loss, direction: min}\n" + body)
+    return path
+
+
+def spec_of(tmp: Path, body: str):
+    return load_spec(layout(tmp, body=body))
+
+
+# ---------------------------------------------------------------------------------------------- shipped
+def test_the_shipped_studies_are_there():
+    names = {p.stem for p in SHIPPED}
+    assert {"block_variants", "vaswani_table3", "lm_block_variants", "demo_norm_ffn"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_study_loads_and_every_variant_is_a_valid_config(path, tmp_path):
+    spec = load_spec(layout(tmp_path, path))
+    variants = spec.variants()
+    assert len({p.point_id for p in spec.points()}) == len(variants) * len(spec.seeds)
+    for v in variants:
+        exp = spec.experiment(v.overrides)  # no combination of a shipped grid is invalid
+        for k, x in v.overrides.items():
+            section, field = k.split(".")
+            assert getattr(getattr(exp, section), field) == x
+    assert spec.baseline() in variants
+
+
+def test_block_variants_and_table3_shapes(tmp_path):
+    block = load_spec(layout(tmp_path, ROOT / "ablations" / "block_variants.yaml"))
+    assert (len(block.variants()), len(block.points()), block.metric, block.direction) == (64, 128, "val/bleu", "max")
+    assert list(block.axes) == ["model.norm", "model.norm_position", "model.ffn", "model.block", "model.qk_norm"]
+    table3 = load_spec(layout(tmp_path, ROOT / "ablations" / "vaswani_table3.yaml"))
+    names = [v.name for v in table3.variants()]
+    assert names[0] == "base" and table3.baseline().name == "base" and len(names) == 17
+    assert sum(n.startswith("(A)") for n in names) == 4 and sum(n.startswith("(C)") for n in names) == 7
+    h32 = table3.experiment(next(v for v in table3.variants() if v.name.startswith("(A) h=32")).overrides)
+    assert (h32.model.n_heads, h32.model.head_dim) == (32, 16)
+    lm = load_spec(layout(tmp_path, ROOT / "ablations" / "lm_block_variants.yaml"))
+    assert len(lm.variants()) == 32 and lm.experiment({}).model.arch == "decoder_only"
+
+
+# ---------------------------------------------------------------------------------------------- the format
+def test_grid_points_seeds_budget_resources_and_overrides(tmp_path):
+    spec = spec_of(tmp_path, "seeds: 3\nbudget: {steps: 50, time_min: 2}\nresources: {devices: 1}\n"
+                             "overrides: {trainer.val_every: 10, optim.lr: 1e-3}\n"
+                             "axes:\n  model.norm: [layernorm, rmsnorm]\n  optim.warmup_steps: [10, 20]\n")
+    assert spec.seeds == (1, 2, 3) and len(spec.points()) == 12
+    assert [p.seed for p in spec.points()[:4]] == [1, 1, 1, 1], "seed-major order"
+    exp = spec.experiment(spec.variants()[3].overrides, seed=2)
+    assert (exp.model.norm, exp.optim.warmup_steps, exp.trainer.seed) == ("rmsnorm", 20, 2)
+    assert (exp.trainer.max_steps, exp.trainer.max_time_min, exp.trainer.devices) == (50, 2.0, 1)
+    assert exp.trainer.val_every == 10 and exp.optim.lr == 1e-3  # YAML's "1e-3" string read as the float
+    assert spec.variants()[3].name == "norm=rmsnorm warmup_steps=20"
+    again = spec_of(tmp_path, "seeds: 3\nbudget: {steps: 50, time_min: 2}\nresources: {devices: 1}\n"
+                              "overrides: {trainer.val_every: 10, optim.lr: 1e-3}\n"
+                              "axes:\n  model.norm: [layernorm, rmsnorm]\n  optim.warmup_steps: [10, 20]\n")
+    assert [p.point_id for p in again.points()] == [p.point_id for p in spec.points()], "stable point ids"
+
+
+def test_baseline_is_the_base_recipes_own_values_else_the_first(tmp_path):
+    spec = spec_of(tmp_path, "axes:\n  model.norm: [rmsnorm, layernorm]\n  model.ffn: [gelu, relu]\n")
+    assert spec.baseline().overrides == {"model.norm": "layernorm", "model.ffn": "relu"}
+    spec = spec_of(tmp_path, "axes:\n  model.ffn: [gelu, swiglu]\n")
+    assert spec.baseline().overrides == {"model.ffn": "gelu"}
+
+
+def test_variants_list_combines_with_axes(tmp_path):
+    spec = spec_of(tmp_path, "variants:\n  - {name: a}\n  - {name: b, model.n_heads: 2}\n"
+                             "axes:\n  model.qk_norm: [false, true]\n")
+    assert [v.name for v in spec.variants()] == ["a qk_norm=false", "a qk_norm=true", "b qk_norm=false",
+                                                 "b qk_norm=true"]
+    assert spec.variants()[3].overrides == {"model.n_heads": 2, "model.qk_norm": True}
+
+
+@pytest.mark.parametrize("body, needles", [
+    ("axes:\n  model.norm: [layernorm, bogus]\n", ["axes.model.norm", "'bogus'", "not one of"]),
+    ("axes:\n  model.nrom: [layernorm]\n", ["model.nrom", "did you mean model.norm"]),
+    ("axes:\n  norm: [layernorm]\n", ["'norm'", "names no config field"]),
+    ("axes:\n  model.d_model: [64, abc]\n", ["axes.model.d_model", "'abc'"]),
+    ("axes:\n  model.attn_softcap: [0.0, 30.0]\n", ["axes.model.attn_softcap", "'30'", "attention_backend"]),
+    ("axes:\n  trainer.seed: [1, 2]\n", ["trainer.seed", "seeds:"]),
+    ("axes:\n  model.norm: []\n", ["axes.model.norm", "non-empty"]),
+    ("axis:\n  model.norm: [rmsnorm]\n", ["unknown key(s) ['axis']"]),
+    ("metric: {name: val/loss, mode: min}\naxes: {model.norm: [rmsnorm]}\n", ["metric:"]),
+    ("budget: {epochs: 3}\naxes: {model.norm: [rmsnorm]}\n", ["budget:"]),
+    ("resources: {gpus: 1}\naxes: {model.norm: [rmsnorm]}\n", ["resources key(s) ['gpus']"]),
+    ("seeds: [1, 1]\naxes: {model.norm: [rmsnorm]}\n", ["seeds"]),
+    ("overrides: {model.colour: red}\naxes: {model.norm: [rmsnorm]}\n", ["overrides", "model.colour"]),
+    ("variants:\n  - {name: a, model.n_heads: 5}\n", ["variants: 'a'", "model.n_heads=5"]),
+    ("variants:\n  - {name: a}\n  - {name: a, model.qk_norm: true}\n", ["two variants are named 'a'"]),
+    ("", ["nothing varies"]),
+    ("search: optuna\nn_trials: 4\ndistributions:\n  optim.lr: {type: float, low: 1.0, high: 0.1}\n",
+     ["distributions.optim.lr", "low=1.0 must be < high=0.1"]),
+    ("search: optuna\nn_trials: 4\ndistributions:\n  model.ffn: {type: categorical, choices: [relu, nope]}\n",
+     ["distributions.model.ffn", "'nope'"]),
+    ("search: grid\n", ["search='grid'"]),
+])
+def test_mistakes_are_load_errors_naming_the_key(tmp_path, body, needles):
+    with pytest.raises(ConfigError) as e:
+        spec_of(tmp_path, body)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+def test_an_invalid_combination_is_not_a_load_error(tmp_path):
+    spec = spec_of(tmp_path, "axes:\n  model.attn_softcap: [0.0, 30.0]\n  model.attention_backend: [sdpa, eager]\n"
+                             "  model.d_model: [64, 96]\n  model.n_heads: [4, 64]\n")
+    bad = []
+    for v in spec.variants():
+        try:
+            spec.experiment(v.overrides)
+        except ConfigError as e:
+            bad.append(str(e))
+    assert len(spec.variants()) == 16 and len(bad) == 4 + 4 - 1  # softcap+sdpa, 96 with 64 heads, both
+    assert any("attn_softcap" in b for b in bad) and any("not divisible by model.n_heads" in b for b in bad)
+
+
+def test_metric_must_be_logged_by_the_task(tmp_path):
+    layout(tmp_path)
+    path = tmp_path / "ablations" / "lm.yaml"
+    path.write_text("base: ../experiments/lm_demo.yaml\nmetric: {name: val/bleu, direction: max}\n"
+                    "axes: {model.norm: [rmsnorm]}\n")
+    with pytest.raises(ConfigError, match="val/bleu is logged by translation experiments only"):
+        load_spec(path)
+
+
+def test_search_spec(tmp_path):
+    spec = spec_of(tmp_path, "search: optuna\nn_trials: 6\ndistributions:\n"
+                             "  optim.lr: {type: log, low: 1e-4, high: 1e-2}\n"
+                             "  model.n_dec_layers: {type: int, low: 1, high: 3}\n"
+                             "  model.ffn: {type: categorical, choices: [gelu, swiglu]}\n")
+    assert spec.is_search and spec.n_trials == 6 and spec.baseline() is None
+    lr, layers, ffn = spec.distributions
+    assert (lr.type, lr.log, lr.low, lr.high) == ("float", True, 1e-4, 1e-2)
+    assert (layers.type, layers.low, layers.high) == ("int", 1, 3) and ffn.choices == ("gelu", "swiglu")
