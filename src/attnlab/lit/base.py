@@ -27,6 +27,7 @@ class BaseModule(L.LightningModule):
         self.model = build_model(self.model_cfg)
         self._compile = compile
         self._last_step_time: float | None = None
+        self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
@@ -69,6 +70,15 @@ class BaseModule(L.LightningModule):
         if self._last_step_time is not None:  # tokens of this step over the time since the last one
             self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
         self._last_step_time = now
+
+    def on_validation_start(self) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self) -> None:
+        # validation time is not training time: tokens/s of the next step measures the step only
+        if self._last_step_time is not None and self._val_start is not None:
+            self._last_step_time += time.perf_counter() - self._val_start
+        self._val_start = None
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -7,25 +7,20 @@ from pathlib import Path
 
 import sacrebleu
 import torch
-from torchmetrics.text import CHRFScore, SacreBLEUScore
+import torch.distributed as dist
 
 from ..config import DecodeConfig
 from ..decode import beam_search, greedy_search
 from .base import BaseModule
 
 
-def _signature(metric) -> str:
-    metric.num_refs = 1  # one reference per sentence; sacrebleu otherwise learns this from a corpus_score call
-    return str(metric.get_signature())
-
-
-def bleu_signature() -> str:
-    """The sacreBLEU signature of the BLEU that torchmetrics' SacreBLEUScore computes (13a, exp smoothing)."""
-    return _signature(sacrebleu.metrics.BLEU(tokenize="13a"))
-
-
-def chrf_signature() -> str:
-    return _signature(sacrebleu.metrics.CHRF())
+def gather_strings(items: list[str], world_size: int) -> list[str]:
+    """Every rank's strings, rank by rank (all ranks get the whole list); the list itself on one process."""
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return list(items)
+    parts: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(parts, list(items))
+    return [x for part in parts for x in (part or [])]
 
 
 class Seq2SeqModule(BaseModule):
@@ -40,7 +35,10 @@ class Seq2SeqModule(BaseModule):
         self.bos_id, self.eos_id = bos_id, eos_id
         self.detokenize: Callable[[list[list[int]]], list[str]] | None = None  # set by set_tokenizer
         self.signature_dir: Path | None = None  # where to write the sacreBLEU signature
-        self.bleu, self.chrf = SacreBLEUScore(tokenize="13a"), CHRFScore()
+        # sacreBLEU itself on detokenised text (torchmetrics' SacreBLEUScore has no 'exp' smoothing and its
+        # CHRFScore defaults to chrF++): hypotheses and references are gathered across ranks at the epoch end
+        self._hyps: list[str] = []
+        self._refs: list[str] = []
         self._decoded = 0
         self.examples: list[tuple[str, str]] = []
 
@@ -72,8 +70,8 @@ class Seq2SeqModule(BaseModule):
         src = batch["src"][: budget - self._decoded]
         hyps = self.detokenize(self.translate_ids(src, beam))
         refs = self.detokenize(strip_special(batch["tgt_out"][: len(src)], self.eos_id, self.model_cfg.pad_id))
-        self.bleu.update(hyps, [[r] for r in refs])
-        self.chrf.update(hyps, [[r] for r in refs])
+        self._hyps.extend(hyps)
+        self._refs.extend(refs)
         self._decoded += len(src)
         if len(self.examples) < 5:
             self.examples.extend(zip(refs, hyps, strict=True))
@@ -92,7 +90,7 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ epoch ends
     def on_validation_epoch_start(self) -> None:
-        self._decoded, self.examples = 0, []
+        self._decoded, self.examples, self._hyps, self._refs = 0, [], [], []
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -106,15 +104,19 @@ class Seq2SeqModule(BaseModule):
         self.log_eval_loss(stage)
         if self.detokenize is None or self.decode_cfg.val_sentences == 0:
             return
-        # computed on every rank from the n-gram statistics summed across ranks
-        self.log(f"{stage}/bleu", float(self.bleu.compute()) * 100, prog_bar=True)
-        self.log(f"{stage}/chrf", float(self.chrf.compute()) * 100)
-        self.bleu.reset()
-        self.chrf.reset()
+        world = self.trainer.world_size if self._trainer else 1
+        hyps, refs = gather_strings(self._hyps, world), gather_strings(self._refs, world)
+        self._hyps, self._refs = [], []
+        if not hyps:
+            return
+        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+        # the same value on every rank (computed from the gathered text): no further reduction
+        self.log(f"{stage}/bleu", bleu.corpus_score(hyps, [refs]).score, prog_bar=True)
+        self.log(f"{stage}/chrf", chrf.corpus_score(hyps, [refs]).score)
         if self.signature_dir is not None and self.global_rank == 0:
             self.signature_dir.mkdir(parents=True, exist_ok=True)
             (self.signature_dir / "sacrebleu_signature.txt").write_text(
-                f"BLEU {bleu_signature()}\nchrF {chrf_signature()}\n", encoding="utf-8"
+                f"BLEU {bleu.get_signature()}\nchrF {chrf.get_signature()}\n", encoding="utf-8"
             )
 
 

@@ -1,0 +1,349 @@
+"""`fit` on a tiny translation recipe (d_model 32, 1+1 layers, a synthetic TSV corpus): the logged metrics and the
+run directory; exact resume from periodic checkpoints and from a SIGTERM-killed `attnlab fit`; atomic checkpoint
+writes; clear errors for truncated, foreign and mismatched checkpoints."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+import torch.nn.functional as F
+import yaml
+
+from attnlab.config import ConfigError
+from attnlab.data.tokenizer import Tokenizer
+from attnlab.evaluate import load_module
+from attnlab.experiment import load_experiment
+from attnlab.lit.optim import lr_factor
+from attnlab.lit.seq2seq import strip_special
+from attnlab.train import (
+    AtomicCheckpointIO,
+    archive_previous,
+    check_compatible,
+    fit,
+    load_checkpoint,
+    make_module,
+    make_trainer,
+    prepare,
+)
+from conftest import make_pairs
+
+TINY = {
+    "model": {"d_model": 32, "n_heads": 2, "n_enc_layers": 1, "n_dec_layers": 1, "d_ff": 64, "dropout": 0.1,
+              "z_loss": 1e-3, "max_seq_len": 256},
+    "data": {"vocab_size": 400, "max_len": 64, "max_tokens": 1024, "valid_fraction": 0.05, "test_fraction": 0.05},
+    "optim": {"lr": 2e-3, "schedule": "inverse_sqrt", "warmup_steps": 4, "label_smoothing": 0.1},
+    "trainer": {"max_steps": 8, "val_every": 4, "ckpt_every": 4, "log_every": 1, "progress_bar": False},
+    "decode": {"val_sentences": 8, "beam": 2, "max_len_b": 10},
+}
+
+
+def write_recipe(root: Path, name: str = "tiny", n_pairs: int = 600, **sections: dict) -> Path:
+    """A recipe with absolute paths (corpus, caches, runs under `root`), TINY updated section by section."""
+    corpus = root / "corpus.tsv"
+    if not corpus.exists():
+        corpus.write_text("".join(f"{s}\t{t}\n" for s, t in make_pairs(n_pairs)), encoding="utf-8")
+    raw = {k: dict(v) for k, v in TINY.items()}
+    raw["data"].update(corpus=str(corpus), data_dir=str(root / "data_cache"))
+    raw["trainer"]["runs_dir"] = str(root / "runs")
+    for section, values in sections.items():
+        raw[section].update(values)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, **raw}), encoding="utf-8")
+    return path
+
+
+def read_metrics(path: Path) -> dict[str, dict[int, list[float]]]:
+    """column -> step -> the values logged at that step, from a CSVLogger metrics.csv."""
+    out: dict[str, dict[int, list[float]]] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if k not in ("step", "epoch") and v:
+                    out.setdefault(k, {}).setdefault(int(row["step"]), []).append(float(v))
+    return out
+
+
+def train_rows(metrics: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, list[float]]]:
+    """The per-step training curves that must be reproduced exactly (tokens/s is a timing)."""
+    return {k: v for k, v in metrics.items() if k.startswith("train/") and k != "train/tokens_per_s"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny and the CI cores are shared (several threads thrash)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, run directory) of an 8-step fit without dropout (so the first step's loss can be recomputed)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tiny")
+    recipe = write_recipe(root, model={"dropout": 0.0})
+    return recipe, fit(load_experiment(recipe))
+
+
+# --------------------------------------------------------------------------------------------- logging, run dir
+def test_fit_logs_training_and_validation_metrics(tiny_run):
+    recipe, run_dir = tiny_run
+    m = read_metrics(run_dir / "logs" / "metrics.csv")
+    for col in ("train/loss", "train/lr", "train/grad_norm"):
+        assert sorted(m[col]) == list(range(8)), col  # every step, log_every 1
+    assert sorted(m["train/tokens_per_s"]) == list(range(1, 8))  # from the second step: a rate needs an interval
+    assert all(v[0] > 0 and math.isfinite(v[0]) for v in m["train/tokens_per_s"].values())
+    assert all(v[0] > 0 and math.isfinite(v[0]) for v in m["train/grad_norm"].values())
+    exp = load_experiment(recipe)
+    factor = lr_factor(exp.optim, exp.model.d_model)
+    assert [m["train/lr"][s][0] for s in range(8)] == pytest.approx([2e-3 * factor(s) for s in range(8)])
+    losses = [m["train/loss"][s][0] for s in range(8)]
+    assert losses[-1] < losses[0]  # it learns
+    for col in ("val/loss", "val/ppl", "val/bleu", "val/chrf"):
+        assert sorted(m[col]) == [3, 7], col  # validation after steps 4 and 8
+    for s in (3, 7):
+        assert m["val/ppl"][s][0] == pytest.approx(math.exp(m["val/loss"][s][0]), rel=1e-5)
+        assert 0.0 <= m["val/bleu"][s][0] <= 100.0 and 0.0 <= m["val/chrf"][s][0] <= 100.0
+    sig = (run_dir / "sacrebleu_signature.txt").read_text(encoding="utf-8").splitlines()
+    assert sig[0].startswith("BLEU nrefs:1|case:mixed|") and "|tok:13a|smooth:exp|" in sig[0]
+    assert sig[0].endswith(f"version:{sacrebleu.__version__}")
+    assert sig[1].startswith("chrF nrefs:1|") and "|nc:6|nw:0|" in sig[1]
+
+
+def test_first_step_loss_is_label_smoothed_ce_plus_z_loss_over_non_padding(tiny_run):
+    """The logged train/loss of step 0, recomputed by hand from the same initial weights and first batch."""
+    recipe, run_dir = tiny_run
+    dm, exp = prepare(load_experiment(recipe))  # seeds exactly as fit did, then builds the same initial model
+    module = make_module(exp, dm).train()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["tgt_out"].eq(0).any(), "the first batch should hold padding for this test to mean something"
+    logits = module.model(batch["src"], batch["tgt_in"]).float()  # (B, T, V)
+    keep = batch["tgt_out"].ne(exp.model.pad_id)  # (B, T)
+    lp = F.log_softmax(logits, -1)[keep]  # (N, V): non-padding positions only
+    tgt = batch["tgt_out"][keep]  # (N,)
+    nll = -lp.gather(1, tgt[:, None]).squeeze(1)
+    smooth = -lp.mean(-1)
+    log_z = torch.logsumexp(logits[keep], -1)
+    expected = ((0.9 * nll + 0.1 * smooth) + 1e-3 * log_z**2).mean()
+    logged = read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"][0][0]
+    assert logged == pytest.approx(float(expected), rel=1e-5)
+    assert abs(logged - float(nll.mean())) > 1e-3  # smoothing and z-loss do change it
+
+
+def test_validation_bleu_and_chrf_are_sacrebleu_on_the_real_text(tiny_run, tmp_path):
+    """A stand-in decoder answers the reference for sentences with an even index and copies the source for the
+    others; the logged val/bleu and val/chrf are then sacreBLEU's BLEU and chrF of exactly those texts against the
+    raw references of the first decode.val_sentences sentences."""
+    recipe, run_dir = tiny_run
+    dm, exp = prepare(load_experiment(recipe, {"decode.val_sentences": 6}))
+    module = load_module(run_dir / "checkpoints" / "last.ckpt", exp.decode)
+    module.set_tokenizer(dm.tokenizer.decode_batch)
+    ds = dm.dataset("valid")
+    index = {tuple(ds[i][0].tolist()): i for i in range(len(ds))}  # sources are distinct: they end in a number
+
+    def stand_in(src, beam=None):
+        rows = strip_special(src, module.eos_id, exp.model.pad_id)
+        return [ds[index[tuple(r)]][1].tolist() if index[tuple(r)] % 2 == 0 else r for r in rows]
+
+    module.translate_ids = stand_in
+    trainer = make_trainer(exp, tmp_path, logger=False, callbacks=[], enable_progress_bar=False)
+    logged = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    srcs, refs = dm.split_texts("valid")
+    ids = [i for b in dm.val_dataloader() for i in b["ids"].tolist()][:6]  # the sentences decoded, in order
+    hyps = [refs[i] if i % 2 == 0 else srcs[i] for i in ids]
+    bleu = sacrebleu.metrics.BLEU().corpus_score(hyps, [[refs[i] for i in ids]]).score
+    chrf = sacrebleu.metrics.CHRF().corpus_score(hyps, [[refs[i] for i in ids]]).score
+    assert 10.0 < bleu < 100.0 and 10.0 < chrf < 100.0
+    assert logged["val/bleu"] == pytest.approx(bleu, abs=1e-4)
+    assert logged["val/chrf"] == pytest.approx(chrf, abs=1e-4)
+
+
+def test_run_directory_holds_config_git_tokenizer_checkpoints_and_logs(tiny_run):
+    recipe, run_dir = tiny_run
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    tok = Tokenizer.load(run_dir / "tokenizer")
+    assert cfg["model"]["vocab_size"] == tok.vocab_size  # resolved from the tokenizer, not the recipe's 32000
+    assert cfg["model"]["d_model"] == 32 and cfg["trainer"]["max_steps"] == 8 and cfg["name"] == "tiny"
+    git = (run_dir / "git.txt").read_text(encoding="utf-8")
+    assert re.fullmatch(r"commit: [0-9a-f]{40}\ndirty: (True|False)\n", git), git
+    names = {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert {"step=4.ckpt", "step=8.ckpt", "last.ckpt"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # weights-only unpickling
+    assert ckpt["global_step"] == 8 and "rng" in ckpt and ckpt["hyper_parameters"]["model"]["d_model"] == 32
+
+
+# --------------------------------------------------------------------------------------------- exact resume
+def test_resume_from_periodic_checkpoints_reproduces_the_losses(tmp_path, monkeypatch):
+    """Checkpoints taken before a validation (mid-epoch) and at an epoch's end: resuming either gives the
+    uninterrupted run's per-step losses bit for bit (dropout on, so the RNG state and the data position matter)."""
+    monkeypatch.chdir(tmp_path)
+    probe = load_experiment(write_recipe(tmp_path))
+    dm, _ = prepare(probe)
+    per_epoch = len(dm.train_dataloader())
+    assert per_epoch >= 6, per_epoch
+    val_every = per_epoch // 2  # a validation step in the middle of epoch 0
+    steps = per_epoch + 3
+    recipe = write_recipe(tmp_path, trainer={"max_steps": steps, "val_every": val_every, "ckpt_every": 1,
+                                             "keep_checkpoints": 100, "run_name": "full"})
+    full_dir = fit(load_experiment(recipe))
+    full = train_rows(read_metrics(full_dir / "logs" / "metrics.csv"))
+    assert sorted(full["train/loss"]) == list(range(steps))
+    for k in (val_every, per_epoch):
+        resumed_dir = fit(load_experiment(recipe, {"trainer.run_name": f"from{k}"}),
+                          ckpt_path=str(full_dir / "checkpoints" / f"step={k}.ckpt"))
+        resumed = train_rows(read_metrics(resumed_dir / "logs" / "metrics.csv"))
+        assert sorted(resumed["train/loss"]) == list(range(k, steps)), k
+        for col, by_step in resumed.items():
+            assert by_step == {s: full[col][s] for s in range(k, steps)}, (k, col)
+        a = load_checkpoint(full_dir / "checkpoints" / "last.ckpt")["state_dict"]
+        b = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")["state_dict"]
+        assert all(torch.equal(a[n], b[n]) for n in a), k
+
+
+def _sigterm_when_logged(proc: subprocess.Popen, metrics: Path, step: int, out: dict) -> None:
+    """Watcher thread: SIGTERM `proc` once metrics.csv holds a train/loss row for `step`."""
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file():
+            loss = read_metrics(metrics).get("train/loss", {})
+            if max(loss, default=-1) >= step:
+                proc.send_signal(signal.SIGTERM)
+                out["signalled_after"] = max(loss)
+                return
+        time.sleep(0.02)
+
+
+def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
+    """`attnlab fit` killed with SIGTERM in the middle of its second epoch saves the exact state and exits 143;
+    `fit --ckpt_path last` then continues it, and every per-step value equals the uninterrupted run's."""
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    probe = load_experiment(write_recipe(tmp_path))
+    dm, _ = prepare(probe)  # builds the caches once, before two processes would race to
+    per_epoch = len(dm.train_dataloader())
+    steps, kill_after = 2 * per_epoch + 4, per_epoch + 2  # stop in epoch 1, leave room before its end
+    recipe = write_recipe(tmp_path, trainer={"max_steps": steps, "val_every": 7, "ckpt_every": 1000})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "attnlab.cli", "fit", "-c", str(recipe), "--trainer.run_name", "cut"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch: dict = {}
+    watcher = threading.Thread(target=_sigterm_when_logged,
+                               args=(proc, tmp_path / "runs" / "cut" / "logs" / "metrics.csv", kill_after, watch))
+    watcher.start()
+    try:
+        full_dir = fit(load_experiment(recipe, {"trainer.run_name": "full"}))  # meanwhile, uninterrupted
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        watcher.join()
+    assert "signalled_after" in watch, f"the run ended before it could be killed:\n{output[-3000:]}"
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    cut_dir = tmp_path / "runs" / "cut"
+    last = load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")
+    stopped = last["global_step"]
+    assert watch["signalled_after"] < stopped < steps, (watch, stopped)  # saved on SIGTERM, not at an interval
+    assert (cut_dir / "checkpoints" / f"step={stopped}.ckpt").is_file()
+    assert stopped % per_epoch != 0, f"killed at an epoch boundary (step {stopped}); the test wants mid-epoch"
+    assert last["callbacks"]["ResumePoint"] == {"epoch": stopped // per_epoch, "batches": stopped % per_epoch}
+    partial = read_metrics(cut_dir / "logs" / "metrics.csv")
+    assert max(partial["train/loss"]) == stopped - 1
+
+    assert main(["fit", "-c", str(recipe), "--trainer.run_name", "cut", "--ckpt_path", "last"]) == 0
+    full = read_metrics(full_dir / "logs" / "metrics.csv")
+    cut = read_metrics(cut_dir / "logs" / "metrics.csv")
+    assert sorted(cut["train/loss"]) == list(range(steps))  # one history: kept rows + the resumed ones
+    assert train_rows(cut) == train_rows(full)
+    for col in ("val/loss", "val/bleu"):  # a validation cut short by the signal is not logged; the rest match
+        assert {s: v for s, v in cut[col].items()} == {s: full[col][s] for s in cut[col]}
+        assert set(full[col]) - set(cut[col]) <= {stopped - 1}
+    a = load_checkpoint(full_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    b = load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint files
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, path)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):  # writes part of the file, then the process "dies"
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 2}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+
+
+def test_corrupt_truncated_and_foreign_checkpoints_are_clear_errors(tiny_run, tmp_path):
+    recipe, run_dir = tiny_run
+    good = run_dir / "checkpoints" / "last.ckpt"
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(os.urandom(4096))
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {}, "evil": Path("/etc/passwd")}, pickled)
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"w": torch.ones(2)}, plain)
+    for path in (truncated, garbage, pickled):
+        with pytest.raises(ValueError, match="not a readable checkpoint") as e:
+            load_checkpoint(path)
+        assert str(path) in str(e.value)
+    with pytest.raises(ValueError, match="not an attnlab checkpoint") as e:
+        load_checkpoint(plain)
+    assert str(plain) in str(e.value)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_a_checkpoint_from_another_model_config_is_refused_naming_the_fields(tiny_run):
+    recipe, run_dir = tiny_run
+    last = run_dir / "checkpoints" / "last.ckpt"
+    _, exp = prepare(load_experiment(recipe, {"model.d_model": 64, "model.norm": "rmsnorm"}))
+    with pytest.raises(ConfigError) as e:
+        check_compatible(load_checkpoint(last), exp.model, last)
+    msg = str(e.value)
+    assert str(last) in msg and "model.d_model: checkpoint 32 vs config 64" in msg and "model.norm" in msg
+    with pytest.raises(ConfigError, match="model.d_model"):  # fit refuses before training a step
+        fit(load_experiment(recipe, {"model.d_model": 64, "trainer.run_name": "other"}), ckpt_path=str(last))
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        fit(load_experiment(recipe, {"trainer.run_name": "never_ran"}), ckpt_path="last")
+
+
+def test_a_fresh_fit_moves_an_earlier_runs_files_aside(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step=4.ckpt").write_bytes(b"x")
+    (run / "logs").mkdir()
+    (run / "config.yaml").write_text("a: 1")
+    assert archive_previous(run) == run / "previous" / "0"
+    assert (run / "previous" / "0" / "checkpoints" / "step=4.ckpt").is_file()
+    assert not (run / "checkpoints").exists() and (run / "config.yaml").exists()
+    (run / "checkpoints").mkdir()
+    assert archive_previous(run) == run / "previous" / "1"
+    assert archive_previous(run) is None
