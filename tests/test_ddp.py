@@ -1,0 +1,88 @@
+"""`fit` with 2 DDP processes on CPU (gloo): each rank trains on its own shard of every step's batches, and the
+checkpoint it saves evaluates (`attnlab validate`, one process) to the validation loss the 2 ranks logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnlab.experiment import load_experiment
+from attnlab.train import load_checkpoint, prepare
+from test_train import read_metrics, write_recipe
+
+DRIVER = '''
+"""fit with a callback that records, per rank, the dataset ids of every training batch."""
+import json
+import sys
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+
+from attnlab.experiment import load_experiment
+from attnlab.train import fit
+
+
+class Record(Callback):
+    def __init__(self):
+        self.ids = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.ids.append(batch["ids"].tolist())
+
+    def on_train_end(self, trainer, pl_module):
+        out = Path(sys.argv[2]) / f"rank{trainer.global_rank}.json"
+        out.write_text(json.dumps({"world": trainer.world_size, "ids": self.ids}))
+
+
+fit(load_experiment(sys.argv[1]), callbacks=[Record()])
+'''
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_two_process_ddp_fit_shards_batches_and_saves_a_checkpoint_that_evaluates_the_same(tmp_path, monkeypatch):
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    steps = 4
+    recipe = write_recipe(tmp_path, n_pairs=900, trainer={
+        "devices": 2, "strategy": "ddp", "accelerator": "cpu", "max_steps": steps, "val_every": steps,
+        "ckpt_every": steps, "run_name": "ddp"}, decode={"val_sentences": 4})
+    dm, _ = prepare(load_experiment(recipe))  # caches built once, before two processes start
+    order = dm.sampler("train", True).batches(0)  # the single-process order of epoch 0
+    n_val = len(dm.sampler("valid", False).batches(0))
+    assert len(order) >= 2 * steps + 2, len(order)
+    # an odd count would make the last rank repeat a batch (every rank must run as many), counted twice
+    assert n_val % 2 == 0, f"{n_val} validation batches: change the corpus size so that 2 ranks split them evenly"
+
+    (tmp_path / "driver.py").write_text(DRIVER, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(recipe), str(tmp_path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+    seen = {k: json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)}
+    assert seen[0]["world"] == seen[1]["world"] == 2
+    for k in (0, 1):  # rank k trains batches k, k + 2, k + 4, ... of the epoch's order
+        assert seen[k]["ids"] == [order[i].tolist() for i in range(k, 2 * steps, 2)], k
+    for a, b in zip(seen[0]["ids"], seen[1]["ids"], strict=True):
+        assert not set(a) & set(b)  # different sentences on the two ranks at every step
+
+    run_dir = tmp_path / "runs" / "ddp"
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    saved = load_checkpoint(ckpt)
+    assert saved["global_step"] == steps
+    assert not [k for k in saved["state_dict"] if k.startswith(("module.", "_forward_module."))]
+    logged = read_metrics(run_dir / "logs" / "metrics.csv")
+    assert sorted(logged["train/loss"]) == list(range(steps))
+    ddp_val = logged["val/loss"][steps - 1][0]  # both ranks' halves of the validation split, summed
+
+    assert main(["validate", "-c", str(recipe), "--ckpt", str(ckpt)]) == 0  # one process
+    single = json.loads((run_dir / "valid_results.json").read_text(encoding="utf-8"))
+    assert single["val/loss"] == pytest.approx(ddp_val, rel=1e-5)
+    assert single["sentences"] == len(dm.split_texts("valid")[0]) and single["bleu_signature"].startswith("nrefs:1|")
