@@ -38,14 +38,17 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Se
     ckpt = load_checkpoint(ckpt_path)
     hp: dict[str, Any] = dict(ckpt["hyper_parameters"])
     hp["compile"] = False
-    if hp["model"]["arch"] == "encoder_decoder":
-        if decode is not None:
-            hp["decode"] = decode.to_dict()
-        module: Seq2SeqModule | LMModule = Seq2SeqModule(**hp)
-    else:
-        hp.pop("decode", None)
-        module = LMModule(**hp)
-    missing, unexpected = module.load_state_dict(ckpt["state_dict"], strict=False)
+    try:
+        if hp["model"].get("arch") == "encoder_decoder":
+            if decode is not None:
+                hp["decode"] = decode.to_dict()
+            module: Seq2SeqModule | LMModule = Seq2SeqModule(**hp)
+        else:
+            hp.pop("decode", None)
+            module = LMModule(**hp)
+        missing, unexpected = module.load_state_dict(ckpt["state_dict"], strict=False)
+    except (TypeError, ValueError, RuntimeError) as e:  # unknown hyper-parameters, bad config, size mismatch
+        raise ValueError(f"{ckpt_path}: cannot rebuild its model: {type(e).__name__}: {str(e)[:500]}") from None
     missing = [k for k in missing if not k.startswith(("bleu", "chrf", "eval_"))]
     if missing or unexpected:
         raise ValueError(f"{ckpt_path}: weights do not fit the model: missing {missing[:5]}, "
@@ -57,11 +60,13 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Se
 def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: int | None = None,
                     batch_sentences: int | None = None, device: str | torch.device = "cpu") -> list[str]:
     """Translate raw text lines. Batches are formed by length (less padding) and put back in order.
-    Empty lines give empty translations; lines longer than the model's position table are cut with a warning."""
+    Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
+    warning (a learned position table ends there; other positions were never trained beyond it either, and the
+    output budget a * length + b grows with the input)."""
     cfg = module.model_cfg
     bs = batch_sentences or module.decode_cfg.batch_sentences
     eos = module.eos_id
-    limit = cfg.max_seq_len if cfg.position == "learned" else 10_000
+    limit = cfg.max_seq_len
     encoded = []
     for i, ids in enumerate(tokenizer.encode_batch(lines)):
         ids = list(ids) + [eos]  # sources end in EOS, as in training

@@ -212,6 +212,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"{path}: not an attnlab checkpoint (no state_dict / hyper_parameters)")
+    hp = ckpt["hyper_parameters"]
+    if not isinstance(hp, dict) or not isinstance(hp.get("model"), dict) or not isinstance(hp.get("optim"), dict):
+        keys = sorted(hp)[:10] if isinstance(hp, dict) else type(hp).__name__
+        raise ValueError(f"{path}: not an attnlab checkpoint (its hyper_parameters hold no model / optim config: "
+                         f"{keys})")
     return ckpt
 
 
