@@ -19,7 +19,7 @@ from attnlab.cli import main
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import load_module, translate_lines
 from conftest import make_pairs
-from test_train import TINY, write_recipe
+from test_train import TINY, read_metrics, write_recipe
 
 LM = {
     "model": {"arch": "decoder_only", "d_model": 32, "n_heads": 2, "n_dec_layers": 1, "d_ff": 64, "norm": "rmsnorm",
@@ -139,6 +139,9 @@ def test_translate_file_and_stdin_keep_one_line_per_input_with_empty_and_very_lo
 
 
 def test_generate_samples_from_an_lm_checkpoint_conditioned_on_the_document_separator(runs, capsys, monkeypatch):
+    logged = read_metrics(runs["lm"] / "logs" / "metrics.csv")
+    assert sorted(logged["train/loss"]) == [0, 1, 2, 3] and sorted(logged["train/grad_norm"]) == [0, 1, 2, 3]
+    assert logged["val/ppl"][3][0] == pytest.approx(2.718281828 ** logged["val/loss"][3][0], rel=1e-4)
     last = str(runs["lm"] / "checkpoints" / "last.ckpt")
     tok = Tokenizer.load(runs["lm"] / "tokenizer")
     argv = ["generate", "--ckpt", last, "--prompt", "der Hund", "--max_new_tokens", "12", "--seed", "3"]
