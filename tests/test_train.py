@@ -234,11 +234,12 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     from attnlab.cli import main
 
     monkeypatch.chdir(tmp_path)
-    probe = load_experiment(write_recipe(tmp_path))
-    dm, _ = prepare(probe)  # builds the caches once, before two processes would race to
+    small = {"max_tokens": 512}  # small batches: many cheap steps, so the kill lands well inside an epoch
+    dm, _ = prepare(load_experiment(write_recipe(tmp_path, data=small)))  # caches built before two processes race
     per_epoch = len(dm.train_dataloader())
-    steps, kill_after = 2 * per_epoch + 4, per_epoch + 2  # stop in epoch 1, leave room before its end
-    recipe = write_recipe(tmp_path, trainer={"max_steps": steps, "val_every": 7, "ckpt_every": 1000})
+    assert per_epoch >= 12, per_epoch
+    steps, kill_after = 2 * per_epoch + 4, per_epoch + 1  # stop early in epoch 1, far from its end
+    recipe = write_recipe(tmp_path, data=small, trainer={"max_steps": steps, "val_every": 7, "ckpt_every": 1000})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "attnlab.cli", "fit", "-c", str(recipe), "--trainer.run_name", "cut"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
