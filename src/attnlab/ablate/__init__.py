@@ -4,6 +4,8 @@
     attnlab ablate status ablations/block_variants.yaml              # done / running / failed / pending
     attnlab ablate table ablations/block_variants.yaml               # markdown; also CSV and LaTeX
     attnlab ablate plot ablations/block_variants.yaml                # curves.png, metric.png
+    attnlab ablate submit ablations/block_variants.yaml --launcher slurm --gpus-per-task 1 --workers 8
+                                                                     # an array job of workers (slurm.py)
 
 A trial is the same `attnlab.train.fit` a user runs by hand, in its own run directory.
 """
@@ -24,6 +26,7 @@ _EXPORTS = {
     "runner": ("DEFAULT_FIT", "Options", "StudyHandle", "connect", "format_status", "open_study", "point_states",
                "prepare_study", "run_study", "work"),
     "report": ("collect_rows", "plot", "write_table"),
+    "slurm": ("submit_fit", "submit_study", "slurm_status"),
 }
 __all__ = ["add_ablate_commands", "cmd_ablate", "main", *(n for names in _EXPORTS.values() for n in names)]
 
@@ -51,8 +54,10 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `ablate run|worker|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
-    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, status, table, plot")
+    """Add `ablate run|worker|submit|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
+    from .slurm import add_slurm_args
+
+    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, status, table, plot")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -60,6 +65,17 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="one worker: claim points and run them until none is left")
     _worker_args(worker)
     worker.add_argument("--max-trials", type=int, default=None, help="stop after this many trials")
+    worker.add_argument("--srun", action="store_true",
+                        help="inside a SLURM job: run each trial as an srun step, one task per device")
+    worker.add_argument("--no-linger", action="store_true",
+                        help="exit when no point is pending, instead of waiting for other workers' points")
+    submit = sub.add_parser("submit", help="submit the study's workers as a SLURM array job")
+    _worker_args(submit)
+    submit.add_argument("--launcher", choices=("slurm",), default="slurm")
+    submit.add_argument("--workers", type=int, default=None,
+                        help="array tasks, one worker each (default: one per point still to run)")
+    submit.add_argument("--array-parallelism", type=int, default=None, help="at most this many run at once")
+    add_slurm_args(submit)
     for name, text in (("status", "which points are done, running, failed, invalid, pending"),
                        ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
                        ("plot", "curves.png and metric.png from the stored trials")):
@@ -78,7 +94,7 @@ def _options(args: argparse.Namespace):
     from .runner import Options
 
     return Options(fit=args.fit, heartbeat_s=args.heartbeat, grace_s=args.grace, poll_s=args.poll,
-                   max_trials=getattr(args, "max_trials", None))
+                   max_trials=getattr(args, "max_trials", None), linger=not getattr(args, "no_linger", False))
 
 
 def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
@@ -97,15 +113,31 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
         return 0 if set(counts) <= {"done", "invalid"} else 1
+    if sub == "submit":
+        from .slurm import submit_study
+
+        return submit_study(args)
     if sub == "worker":
+        from .slurm import SrunFit, install_worker_signals
+
+        install_worker_signals()  # SIGTERM: the trial is recorded as interrupted; USR1: to the trial
         spec = load_spec(args.spec)
         h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
-        n = work(h, _options(args))
+        try:
+            n = work(h, _options(args), SrunFit(args.fit) if args.srun else None)
+        except KeyboardInterrupt as e:
+            logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
+            return 130
         logging.getLogger("attnlab.ablate").info("worker done: %d trial(s)", n)
         return 0
     h = open_study(args.study, args.storage, args.dir)
     if sub == "status":
         print(format_status(h, args.grace))
+        jobs = h.dir / "slurm" / "jobs.jsonl"
+        if jobs.exists():
+            from .slurm import slurm_status
+
+            print("\n" + slurm_status(jobs))
         return 0
     out = Path(args.out) if args.out else None
     if sub == "table":

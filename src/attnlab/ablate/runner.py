@@ -54,6 +54,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..config import ConfigError, load_yaml
 from ..experiment import Experiment
+from .slurm import job_identity, latest_checkpoint
 from .spec import AblationSpec, fmt, load_spec, short_key
 
 log = logging.getLogger("attnlab.ablate")
@@ -72,6 +73,7 @@ class Options:
     grace_s: int = 120  # a RUNNING trial with no heartbeat for this long is lost
     poll_s: float = 10.0  # how often an idle worker looks again while other workers' points run
     max_trials: int | None = None  # per worker; None = until nothing is left
+    linger: bool = True  # wait while other workers' points run (one may be lost); SLURM workers exit instead
 
 
 @dataclass
@@ -273,8 +275,19 @@ def worker_name() -> str:
 
 
 def _attrs(point_id: str, variant: str, overrides: dict[str, Any], seed: int, attempt: int) -> dict[str, Any]:
+    job = job_identity()  # inside SLURM: which job (array task) and which run of it after requeues
     return {"point_id": point_id, "variant": variant, "overrides": overrides, "seed": seed, "attempt": attempt,
-            "worker": worker_name(), "heartbeat": time.time()}
+            "worker": worker_name(), "heartbeat": time.time(),
+            **({"slurm_job": job[0], "slurm_restart": job[1]} if job else {})}
+
+
+def fail_requeued(h: StudyHandle) -> None:
+    """In a requeued SLURM job: this job's earlier run was killed with its trial RUNNING (usually it records
+    the trial as interrupted itself; not after SIGKILL). Release that point now, not after grace_s."""
+    job = job_identity()
+    for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if job and job[1] else []:
+        if t.user_attrs.get("slurm_job") == job[0] and int(t.user_attrs.get("slurm_restart", 0)) < job[1]:
+            _finish(h, t._trial_id, TrialState.FAIL, {"status": "interrupted", "reason": "its job was requeued"})
 
 
 def _create_running(h: StudyHandle, attrs: dict[str, Any], params: dict[str, Any] | None = None,
@@ -298,6 +311,7 @@ def _first_live_claim(h: StudyHandle, point_id: str, number: int, grace_s: float
 def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
     """Claim the next point to run. Returns (claim or None, whether other workers still run points)."""
     with claim_lock(h.dir):
+        fail_requeued(h)
         fail_stale(h, grace_s)
         states = point_states(h, grace_s=grace_s)
         busy = any(s.status in (RUNNING, STALE) for s in states.values())
@@ -482,16 +496,18 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
             log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
             return INVALID
         run_dir = exp.run_dir()
-        resume = (run_dir / "checkpoints" / "last.ckpt").exists()
+        ckpt = latest_checkpoint(run_dir)  # last.ckpt, or a newer hpc_ckpt_N.ckpt saved on SLURM's USR1
+        resume = ckpt is not None
         if resume:
             keep_metrics(run_dir)
-        for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume}.items():
+        for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
+                     "resumed_from": str(ckpt) if ckpt else None}.items():
             h.storage.set_trial_user_attr(claim.trial_id, k, v)
         log.info("trial %d: %s seed %d%s -> %s", claim.number, claim.variant, claim.seed,
                  " (resuming)" if resume else "", run_dir)
         t0 = time.perf_counter()
         try:
-            out = fit(exp, ckpt_path="last" if resume else None)
+            out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
             result = collect(Path(out) if out else run_dir, exp, h.spec.metric)
         except KeyboardInterrupt:
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
@@ -522,7 +538,7 @@ def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     while opts.max_trials is None or n < opts.max_trials:
         claim, busy = claim_next(h, opts.grace_s)
         if claim is None:
-            if not busy:
+            if not busy or not opts.linger:
                 break
             time.sleep(opts.poll_s)  # a running point may still be lost and need running again
             continue
@@ -595,6 +611,7 @@ def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
         elif s.status in (RUNNING, STALE):
             t = s.trials[-1]
             detail = f"trial {t.number} on {t.user_attrs.get('worker')}"
+            detail += f" (SLURM job {t.user_attrs['slurm_job']})" if "slurm_job" in t.user_attrs else ""
             detail += f", last heartbeat {time.time() - float(t.user_attrs.get('heartbeat', 0)):.0f} s ago"
         else:
             detail = s.reason.splitlines()[0][:100] if s.reason else ""
