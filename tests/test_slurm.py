@@ -1,0 +1,402 @@
+"""attnlab on a real SLURM cluster: `ablate submit`, `fit --slurm`, requeue on USR1, `ablate status`.
+
+The first tests need no cluster: what reaches a generated script is validated or quoted, and --dry-run writes
+and submits nothing. The others run against a single-node cluster this file starts: the session fixture
+installs slurm-wlm and munge when they are missing and it can (root and apt-get; otherwise those tests skip
+and say why), writes a configuration into a temporary folder (its own ports and munge socket, so it never
+meets another cluster on the machine), starts munged, slurmctld and slurmd, and stops them by PID afterwards.
+"""
+
+from __future__ import annotations
+
+import csv
+import filecmp
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from attnlab import cli
+from attnlab.ablate import connect, load_spec, main, write_table
+from attnlab.ablate.slurm import Resources, check_path, check_study_name, render, time_seconds
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+from test_ablate_runner import GRID_4x2, fake_metric, write_study  # noqa: E402
+
+SRC = TESTS.parent / "src" / "attnlab"
+FAKE = "test_ablate_runner:fake_fit"
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+EVIL = "x; touch PWNED $(touch PWNED2) `touch PWNED3`"  # a study name that runs commands if left unquoted
+
+
+# ---------------------------------------------------------------------------------------------- no cluster
+def test_values_that_reach_a_script_are_validated():
+    for kwargs, key in [({"partition": "debug; touch /tmp/pwned"}, "--partition"), ({"account": "a b"}, "--account"),
+                        ({"qos": "$(id)"}, "--qos"), ({"time": "1:00; id"}, "--time"), ({"mem": "8G\nid"}, "--mem"),
+                        ({"nodes": 0}, "--nodes"), ({"time": "5", "signal_s": 300}, "--signal-seconds")]:
+        with pytest.raises(ValueError, match=re.escape(key)):
+            Resources("ok", **kwargs)
+    Resources("ok", partition="gpu,gpu-long", account="proj_1", qos="high", time="2-00:00:00", mem="64G")
+    assert [time_seconds(t) for t in ("90", "1:30", "01:00:00", "1-0", "1-01:00")] == [5400, 90, 3600, 86400, 90000]
+    with pytest.raises(ValueError, match="name 'x; touch /tmp/pwned'.*one directory name"):
+        check_study_name("x; touch /tmp/pwned")  # a '/' would make it a path, not a name
+    assert check_study_name(EVIL) == EVIL  # allowed: it only ever appears quoted
+    with pytest.raises(ValueError, match="may not contain"):
+        check_path(Path('/tmp/a"b'), "--dir")
+    with pytest.raises(ValueError, match=r"unknown placeholder\(s\) \['nope'\]"):
+        render("#!/bin/bash\n{{ nope }}\n", {"command": "true"}, "t.sbatch")
+    lines = Resources(EVIL, gpus_per_task=1, partition="gpu").directives(Path("/a b/c; d"), "w-%A_%a.log", "0-3%2")
+    assert re.search(r"^#SBATCH --job-name=attnlab-x__touch_PWNED_[A-Za-z0-9_.+-]+$", lines, re.M), lines
+    assert '#SBATCH --output="/a b/c; d/w-%A_%a.log"' in lines and "#SBATCH --array=0-3%2" in lines
+    assert "#SBATCH --signal=USR1@300" in lines and "#SBATCH --requeue" in lines
+
+
+def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec_path = write_study(tmp_path, f"name: '{EVIL}'\n" + GRID_4x2)
+    study_dir = tmp_path / "a b; touch PWNED4" / "study"
+    args = ["ablate", "submit", str(spec_path), "--launcher", "slurm", "--dir", str(study_dir), "--workers", "3",
+            "--array-parallelism", "2", "--time", "1:00:00", "--gpus-per-task", "1", "--dry-run"]
+    assert main(args) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-2%2" in script and "#SBATCH --gpus-per-task=1" in script
+    assert "--srun --no-linger" in script and shlex_quoted(study_dir) in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not (tmp_path / "a b; touch PWNED4").exists(), "a dry run writes nothing"
+    assert main(args[:-1] + ["--partition", "debug; touch PWNED", "--dry-run"]) == 2
+    assert "--partition 'debug; touch PWNED'" in capsys.readouterr().err
+
+    recipe = write_lm_recipe(tmp_path, max_steps=5)
+    assert cli.main(["fit", "-c", str(recipe), "--slurm", "--dry-run", "--trainer.devices", "2", "--nodes", "2",
+                     "--mem", "8G"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --mem=8G" in script
+    assert "-m attnlab.ablate.slurm task" in script and not (tmp_path / "runs").exists()
+
+
+def shlex_quoted(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
+
+
+# ---------------------------------------------------------------------------------------------- the cluster
+@dataclass
+class Cluster:
+    dir: Path
+    conf: Path
+
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr or r.stdout}")
+        return r
+
+    def states(self, job: str) -> dict[str, str]:
+        """{job id (array tasks as <array>_<i>): state} from scontrol; {} once the controller forgot it."""
+        r = self.run("scontrol", "-o", "show", "job", job, check=False)
+        out = {}
+        for line in r.stdout.splitlines():
+            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            key = f"{fields['ArrayJobId']}_{fields['ArrayTaskId']}" if "ArrayTaskId" in fields else fields["JobId"]
+            out[key] = fields["JobState"]
+        return out
+
+    def wait(self, job: str, timeout: float, logs: Path, done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            states = self.states(job)
+            if states and all(s in done for s in states.values()):
+                return states
+            time.sleep(1)
+        raise AssertionError(f"job {job} not done after {timeout} s: {self.states(job)}\n{read_logs(logs)}")
+
+
+def binary(name: str) -> str | None:
+    return shutil.which(name) or next((str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name)
+                                       if p.is_file()), None)
+
+
+def ensure_slurm() -> None:
+    """Install slurm-wlm and munge when missing and possible; otherwise skip, saying why."""
+    missing = [b for b in DAEMONS + CLIENTS if binary(b) is None]
+    if not missing:
+        return
+    why = f"SLURM is not installed ({', '.join(missing)} missing)"
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"{why}; the SLURM tests run on Linux only")
+    if os.geteuid() != 0:
+        pytest.skip(f"{why} and this user is not root, so it cannot install it (apt-get install slurm-wlm munge)")
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"{why} and there is no apt-get to install it with")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]
+    r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:  # stale package lists: update once and try again
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+        r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CONF = """\
+ClusterName=attnlabtest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge/socket
+CredType=cred/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/log/slurmctld.log
+SlurmdLogFile={dir}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+MpiDefault=none
+KillWait=5
+NodeName=localhost NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):  # slurmd, slurmctld, munged: each by its own PID
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    ensure_slurm()
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "log", "munge", "key"):
+        (d / sub).mkdir()
+    (d / "key").chmod(0o700)
+    key = d / "key" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip() or socket.gethostname()
+    conf = d / "slurm.conf"
+    conf.write_text(CONF.format(dir=d, host=host, ctld_port=free_port(), d_port=free_port()), encoding="utf-8")
+    old_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)  # every client (and job) of this session talks to this cluster
+    procs: list[subprocess.Popen] = []
+    cluster = Cluster(d, conf)
+    try:
+        log = open(d / "log" / "daemons.out", "w")
+        procs.append(subprocess.Popen(
+            [binary("munged"), "-F", "--force", f"--socket={d}/munge/socket", f"--key-file={key}",
+             f"--pid-file={d}/munge/munged.pid", f"--seed-file={d}/munge/seed", f"--log-file={d}/log/munged.log"],
+            stdout=log, stderr=subprocess.STDOUT))
+        wait_for(lambda: (d / "munge" / "socket").exists(), 15, "munged did not create its socket", d)
+        procs.append(subprocess.Popen([binary("slurmctld"), "-D", "-f", str(conf)], stdout=log,
+                                      stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([binary("slurmd"), "-D", "-N", "localhost", "-f", str(conf)], stdout=log,
+                                      stderr=subprocess.STDOUT))
+        wait_for(lambda: cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle", 45,
+                 "the node never became idle", d)
+        yield cluster
+    finally:
+        jobs = cluster.run("squeue", "-h", "-o", "%A", check=False).stdout.split() if procs else []
+        if jobs:
+            cluster.run("scancel", *sorted(set(jobs)), check=False)
+            wait_for(lambda: not cluster.run("squeue", "-h", check=False).stdout.strip(), 30, None, d)
+        stop(procs)
+        if old_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old_conf
+
+
+def wait_for(cond, timeout: float, message: str | None, d: Path) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.3)
+    if message is None:
+        return False
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in (d / "log").glob("*"))
+    raise AssertionError(f"{message} within {timeout} s\n{logs}")
+
+
+def read_logs(folder: Path) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(folder.rglob("*.log")))
+
+
+def job_of(jobs_file: Path) -> str:
+    return json.loads(jobs_file.read_text().splitlines()[-1])["job"]
+
+
+def write_lm_recipe(tmp: Path, max_steps: int, ckpt_every: int = 10, val_every: int = 0) -> Path:
+    """A tiny decoder-only LM on a synthetic text file: a real fit that trains in seconds on a CPU."""
+    words = "the a small big red green house cat dog tree river city open close file save print".split()
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11))
+                              + f" {i}.\n\n" for i in range(2000)), encoding="utf-8")
+    recipe = tmp / "tiny_lm.yaml"
+    recipe.write_text(f"""\
+name: tiny_lm
+model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: 0.0,
+        norm_position: pre, position: rope}}
+data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.05,
+       test_fraction: 0.05, data_dir: {tmp / 'data_cache'}}}
+optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
+trainer: {{accelerator: cpu, max_steps: {max_steps}, val_every: {val_every or max_steps}, ckpt_every: {ckpt_every},
+          limit_val_batches: 2, log_every: 5, progress_bar: false, runs_dir: {tmp / 'runs'}}}
+""", encoding="utf-8")
+    return recipe
+
+
+# ---------------------------------------------------------------------------------------------- cluster tests
+def test_a_grid_runs_as_an_array_of_two_workers_and_its_table_is_right(slurm_cluster, tmp_path, monkeypatch, capsys):
+    """4 points, 2 array tasks (one worker each), the fake fit of test_ablate_runner in srun steps. The study's
+    name and directory hold shell syntax (and spaces): they must reach the script only quoted."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH")] if p))
+    monkeypatch.setenv("FAKE_SLEEP", "1")
+    spec_path = write_study(tmp_path, f"name: '{EVIL}'\n" + GRID_4x2.replace("[1, 2]", "[1]"))
+    study_dir = tmp_path / "my runs; touch PWNED4 $(touch PWNED5) 'q'" / "study"
+    submitted = time.time()
+    assert main(["ablate", "submit", str(spec_path), "--launcher", "slurm", "--dir", str(study_dir), "--workers", "2",
+                 "--fit", FAKE, "--heartbeat", "1", "--grace", "30", "--poll", "0.5"]) == 0
+    job = job_of(study_dir / "slurm" / "jobs.jsonl")
+    snapshot = study_dir / "slurm" / "submit-001"
+    states = slurm_cluster.wait(job, 180, snapshot / "logs")
+    assert states == {f"{job}_0": "COMPLETED", f"{job}_1": "COMPLETED"}, read_logs(snapshot / "logs")
+    assert not [p for p in tmp_path.rglob("PWNED*") if re.fullmatch(r"PWNED\d?", p.name)], "a command ran"
+
+    spec = load_spec(spec_path)
+    h = connect(spec, study_dir, str(study_dir / "journal.log"))
+    trials = h.study.get_trials()
+    assert sorted(t.user_attrs["point_id"] for t in trials) == sorted(p.point_id for p in spec.points())
+    assert all(t.state == TrialState.COMPLETE for t in trials), "one finished trial per point, nothing else"
+    assert {t.user_attrs["slurm_job"] for t in trials} == {f"{job}_0", f"{job}_1"}, "both workers ran points"
+    for t in trials:  # the stored metric is what the fake fit computes for that point's config
+        v = next(p.variant for p in spec.points() if p.point_id == t.user_attrs["point_id"])
+        assert t.value == fake_metric(spec.experiment(v.overrides, t.user_attrs["seed"]))
+    _, paths = write_table(h)
+    rows = {r["variant"]: r for r in csv.DictReader(open(paths[1], encoding="utf-8"))}
+    assert set(rows) == {v.name for v in spec.variants()}
+    for t in trials:
+        r = rows[t.user_attrs["variant"]]
+        assert float(r["val/loss mean"]) == pytest.approx(t.value) and r["n"] == "1"
+    means = [float(r["val/loss mean"]) for r in rows.values()]
+    assert means == sorted(means), "best first"
+
+    # the jobs ran the copy made at submission, which is the package as it was
+    logs = read_logs(snapshot / "logs")
+    assert logs.count(f"code {snapshot / 'code' / 'attnlab'};") == 4, logs
+    for path in SRC.rglob("*.py"):  # files others edit while this runs may differ: they changed after the copy
+        copy = snapshot / "code" / "attnlab" / path.relative_to(SRC)
+        assert copy.is_file() and (path.stat().st_mtime > submitted - 1 or filecmp.cmp(path, copy, shallow=False))
+    assert (snapshot / "worker.sbatch").is_file()
+
+    capsys.readouterr()
+    assert main(["ablate", "status", str(study_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "4 points: 4 done" in out and f"SLURM jobs {job}:" in out
+    assert "sacct: accounting storage is disabled; only squeue states shown" in out
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--fit", FAKE]) == 0
+    assert "nothing to run" in capsys.readouterr().out
+    assert len((study_dir / "slurm" / "jobs.jsonl").read_text().splitlines()) == 1, "nothing was submitted again"
+
+
+def test_a_fit_with_two_slurm_tasks_runs_ddp_on_gloo_through_srun(slurm_cluster, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_lm_recipe(tmp_path, max_steps=6, ckpt_every=3)
+    assert cli.main(["fit", "-c", str(recipe), "--slurm", "--trainer.devices", "2"]) == 0
+    run_dir = next((tmp_path / "runs").iterdir())
+    job = job_of(run_dir / "slurm" / "jobs.jsonl")
+    logs = run_dir / "slurm" / "submit-001" / "logs"
+    assert slurm_cluster.wait(job, 150, logs) == {job: "COMPLETED"}, read_logs(logs)
+    log = read_logs(logs)
+    assert "distributed_backend=gloo" in log and "Starting with 2 processes" in log, log
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "[attnlab task 0/2]" in log
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 6
+    assert "devices: 2" in (run_dir / "config.yaml").read_text()
+
+
+def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """The preemption path: USR1 to the batch shell -> worker -> srun -> Lightning (hpc checkpoint, scontrol
+    requeue); SLURM kills and requeues the job; it runs again and resumes the trial, then the next point."""
+    monkeypatch.chdir(tmp_path)
+    steps = 200
+    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=100)
+    spec_path = tmp_path / "requeue.yaml"
+    spec_path.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
+                         "axes:\n  model.norm: [layernorm, rmsnorm]\n", encoding="utf-8")
+    study_dir = tmp_path / "study"
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--workers", "1", "--heartbeat", "2",
+                 "--grace", "60", "--poll", "1"]) == 0
+    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    spec = load_spec(spec_path)
+    first = spec.experiment(spec.points()[0].variant.overrides, 1)
+    run_dir = study_dir / "runs" / f"{first.name}-{first.config_hash()}"
+    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), 120, "the first trial never reached "
+             f"step 20\n{read_logs(logs)}", slurm_cluster.dir)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    # a requeued job may start again only after 2 minutes (SLURM's requeue hold); a real cluster waits it out
+    wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
+             f"{read_logs(logs)}", slurm_cluster.dir)
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    assert slurm_cluster.wait(job, 180, logs) == {job: "COMPLETED"}, read_logs(logs)
+
+    log = read_logs(logs)
+    assert "restart 1" in log and (run_dir / "hpc_ckpt_1.ckpt").is_file(), log
+    resumed = [int(n) for n in re.findall(r"resuming from \S+ \(global step (\d+)\)", log)]
+    assert len(resumed) == 1 and 20 <= resumed[0] < steps, log
+    h = connect(spec, study_dir, str(study_dir / "journal.log"))
+    by_point: dict[str, list] = {}
+    for t in h.study.get_trials():
+        by_point.setdefault(t.user_attrs["point_id"], []).append(t)
+    assert set(by_point) == {p.point_id for p in spec.points()}
+    for ts in by_point.values():
+        assert [t.state for t in ts].count(TrialState.COMPLETE) == 1, "exactly one finished result per point"
+    interrupted, done = by_point[spec.points()[0].point_id]
+    assert interrupted.state == TrialState.FAIL and interrupted.user_attrs["status"] == "interrupted"
+    assert done.user_attrs["resumed"] is True and done.user_attrs["slurm_restart"] == 1
+    assert len(by_point[spec.points()[1].point_id]) == 1
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == steps
+    # the second attempt logged from the resumed step on, not from step 0
+    rows = list(csv.DictReader(open(run_dir / "logs" / "metrics.csv", encoding="utf-8")))
+    assert min(int(float(r["step"])) for r in rows if r["step"]) >= resumed[0]
