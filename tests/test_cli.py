@@ -164,6 +164,10 @@ def test_generate_samples_from_an_lm_checkpoint_conditioned_on_the_document_sepa
     assert main(argv) == 0
     # LM training data is documents each followed by EOS (never BOS): a prompt starts after an EOS
     assert seen["prompt"] == [[tok.eos_id] + tok.encode("der Hund", side="tgt")] and seen["eos_id"] == tok.eos_id
+    capsys.readouterr()
+    assert main(["test", "-c", str(runs["lm_recipe"]), "--ckpt", last]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["test/ppl"] == pytest.approx(2.718281828 ** scores["test/loss"], rel=1e-4) and "bleu" not in scores
     assert main(["generate", "--ckpt", str(runs["mt"] / "checkpoints" / "last.ckpt")]) == 2
     assert "is not a language model (model.arch=encoder_decoder)" in capsys.readouterr().err
     assert main(["translate", "--ckpt", last]) == 2

@@ -8,6 +8,7 @@ from typing import Any
 
 import sacrebleu
 import torch
+from tqdm.auto import tqdm
 
 from .config import DecodeConfig
 from .lit import LMModule, Seq2SeqModule
@@ -77,7 +78,9 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(lines)
     module.to(device)
-    for start in range(0, len(order), bs):
+    steps = range(0, len(order), bs)
+    # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
+    for start in tqdm(steps, desc="translating", unit="batch", disable=None if len(steps) > 2 else True, leave=False):
         idx = [i for i in order[start : start + bs] if lines[i].strip()]
         if not idx:
             continue
