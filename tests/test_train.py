@@ -300,6 +300,13 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
     assert torch.load(path, weights_only=True)["global_step"] == 1
 
 
+def test_every_trainer_saves_through_the_atomic_writer(tiny_run, tmp_path):
+    recipe, _ = tiny_run
+    for over in ({}, {"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.accelerator": "cpu"}):
+        trainer = make_trainer(load_experiment(recipe, over), tmp_path)  # DDP processes start only at fit
+        assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO), over
+
+
 def test_corrupt_truncated_and_foreign_checkpoints_are_clear_errors(tiny_run, tmp_path):
     recipe, run_dir = tiny_run
     good = run_dir / "checkpoints" / "last.ckpt"
