@@ -1,7 +1,10 @@
-"""The whole variant grid: builds, trains (finite grads everywhere), KV cache == full forward,
-causality, padding invariance, sdpa == eager, accounting == built model."""
+"""The whole variant grid: builds, trains (finite grads everywhere), KV cache == full forward, causality,
+padding invariance, sdpa == eager == flash_attn (a plain-PyTorch stand-in on CPU), accounting == built model."""
 
 import itertools
+import math
+import sys
+import types
 
 import pytest
 import torch
@@ -9,14 +12,84 @@ import torch
 from attnlab.config import ModelConfig
 from attnlab.models import build_model
 from attnlab.models.accounting import count_parameters
+from attnlab.models.attention import Attention, Mask
 
 ARCHS = ["encoder_decoder", "decoder_only", "encoder_only"]
+POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
 GRID = list(itertools.product(ARCHS, ["layernorm", "rmsnorm"], ["post", "pre", "sandwich"], ["serial", "parallel"],
-                              ["sinusoidal", "learned", "rope", "alibi", "none"]))
-INNER = list(itertools.product(["relu", "gelu", "reglu", "geglu", "swiglu"], [False, True]))
+                              POSITIONS))
+INNER = list(itertools.product(["relu", "gelu", "reglu", "geglu", "swiglu"], [False, True]))  # ffn x qk_norm
+# Cycled over INNER, so every outer variant meets MHA, GQA and MQA, each bias switch off and each tying mode.
+EXTRAS = [
+    dict(n_kv_heads=4, tie_embeddings="all"),
+    dict(n_kv_heads=2, attn_bias=False, ffn_bias=False, tie_embeddings="none"),
+    dict(n_kv_heads=1, norm_bias=False, tie_embeddings="decoder", scale_embeddings=False),
+]
+BACKENDS = ["sdpa", "eager", "flash_attn"]
 V = 37
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A plain-PyTorch stand-in for the flash-attn package: its documented semantics (B, T, H, hd) layout, GQA by
+# fewer K/V heads, a bottom-right aligned causal mask, tanh soft-capping after scaling, varlen by cu_seqlens.
+# It checks attnlab's flash_attn wiring on CPU; the real kernel needs CUDA.
+# ---------------------------------------------------------------------------------------------------------
+def _reference_attention(q, k, v, causal, softcap):
+    """q (Tq, H, hd), k/v (Tk, Hkv, hd) of ONE sequence -> (Tq, H, hd)."""
+    Tq, H, hd = q.shape
+    Tk, Hkv, _ = k.shape
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # (Tk, H, hd)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(hd)  # (H, Tq, Tk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        i, j = torch.arange(Tq)[:, None], torch.arange(Tk)[None, :]
+        s = s.masked_fill(j > i + Tk - Tq, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double()).to(q.dtype)  # (Tq, H, hd)
+
+
+def fake_flash_attn() -> types.ModuleType:
+    mod = types.ModuleType("flash_attn")
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, softcap=0.0, **kw):
+        assert dropout_p == 0.0 and softmax_scale is None and not kw
+        return torch.stack([_reference_attention(q[b], k[b], v[b], causal, softcap) for b in range(q.shape[0])])
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               softcap=0.0, **kw):
+        assert dropout_p == 0.0 and softmax_scale is None and not kw
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and int((cu_q[1:] - cu_q[:-1]).max()) == max_q
+        assert int((cu_k[1:] - cu_k[:-1]).max()) == max_k and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
+        outs = [_reference_attention(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]], causal,
+                                     softcap) for b in range(len(cu_q) - 1)]
+        return torch.cat(outs)  # (total_q, H, hd)
+
+    mod.flash_attn_func, mod.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def flash_stand_in(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn())
+
+
+def test_flash_stand_in_aligns_causal_bottom_right():
+    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 3, 1, 4)
+    out = fake_flash_attn().flash_attn_func(q, k, k, causal=True)  # (1, 2, 1, 4)
+    w_last = (q[0, 1, 0] @ k[0].squeeze(1).T / 2).softmax(-1)  # the last query sees all 3 keys
+    torch.testing.assert_close(out[0, 1, 0], w_last @ k[0].squeeze(1))
+
+
+# ---------------------------------------------------------------------------------------------------------
 def tiny(**kw) -> ModelConfig:
     base = dict(vocab_size=V, d_model=32, n_heads=4, n_kv_heads=2, n_enc_layers=2, n_dec_layers=2,
                 ffn_multiple_of=16, max_seq_len=64, dropout=0.0, attn_bias=True, ffn_bias=True)
@@ -35,17 +108,28 @@ def run(model, cfg, src, tgt):
     return model(tgt if cfg.arch == "decoder_only" else src)
 
 
+def set_backend(model, backend: str) -> None:
+    """Switch every attention module of a built model (the same weights) to another backend."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.backend = backend
+
+
+def backends_for(cfg: ModelConfig) -> list[str]:
+    return [b for b in BACKENDS if not (b == "flash_attn" and cfg.position == "alibi")]  # the config forbids it
+
+
 @pytest.mark.parametrize("arch,norm,norm_position,block,position", GRID)
 def test_variant_grid(arch, norm, norm_position, block, position):
     torch.manual_seed(0)
     src, tgt = tokens(2, 7, 1), tokens(2, 6, 2)
     src[1, 5:] = 0  # real padding in the source
-    for ffn, qk_norm in INNER:
+    for i, (ffn, qk_norm) in enumerate(INNER):
         cfg = tiny(arch=arch, norm=norm, norm_position=norm_position, block=block, position=position, ffn=ffn,
-                   qk_norm=qk_norm, dropout=0.1, attn_dropout=0.1)
+                   qk_norm=qk_norm, dropout=0.1, attn_dropout=0.1, **EXTRAS[i % len(EXTRAS)])
         model = build_model(cfg)
         # exact accounting, from the config alone
-        assert count_parameters(cfg)["total"] == sum(p.numel() for p in model.parameters())
+        assert count_parameters(cfg)["total"] == sum(p.numel() for p in model.parameters()), cfg
         # forward + backward in train mode; every parameter gets a finite gradient
         out = run(model, cfg, src, tgt)
         assert out.shape == (2, src.shape[1] if arch == "encoder_only" else tgt.shape[1], V)
@@ -53,38 +137,66 @@ def test_variant_grid(arch, norm, norm_position, block, position):
         for name, p in model.named_parameters():
             assert p.grad is not None, f"{cfg}: {name} got no gradient"
             assert torch.isfinite(p.grad).all(), f"{name} has a non-finite gradient"
-        # sdpa and eager agree (eval mode: no dropout)
+        # every backend gives the same outputs (eval mode: no dropout); KV-cache decoding gives them too, with
+        # sdpa for every config and with eager or flash_attn in turn
         model.eval()
+        backends = backends_for(cfg)
         with torch.no_grad():
             ref = run(model, cfg, src, tgt)
-            eager = build_model(cfg.replace(attention_backend="eager"))
-            eager.load_state_dict(model.state_dict())
-            eager.eval()
-            torch.testing.assert_close(run(eager, cfg, src, tgt), ref, atol=1e-5, rtol=1e-4)
-            if arch != "encoder_only":
-                check_cache(model, cfg, src, tgt, ref)
+            for backend in backends:
+                set_backend(model, backend)
+                torch.testing.assert_close(run(model, cfg, src, tgt), ref, atol=1e-5, rtol=1e-4, msg=backend)
+                if arch != "encoder_only" and backend in ("sdpa", backends[1 + i % (len(backends) - 1)]):
+                    check_cache(model, cfg, src, tgt, ref)
 
 
 def check_cache(model, cfg, src, tgt, full):
-    """Incremental decoding over the KV cache gives the full forward's logits: a prefix chunk, then
-    single tokens, then a chunk after a cached prefix (the bottom-right causal mask)."""
+    """Incremental decoding over the KV cache gives the full forward's logits: a prefix chunk, then single
+    tokens, then a chunk after a cached prefix (the bottom-right causal mask). Cross-attention keys and values
+    are computed once per source, at the first step."""
     cache = model.new_cache()
+    kv_calls = []
+    hooks = [blk.cross_attn.kv_proj.register_forward_hook(lambda *a: kv_calls.append(1))
+             for blk in model.decoder.layers if blk.cross_attn is not None]
     if cfg.arch == "encoder_decoder":
         memory, src_pad = model.encode(src)
         step = lambda ids: model.decode(ids, memory, src_pad, cache=cache)  # noqa: E731
     else:
         step = lambda ids: model(ids, cache=cache)  # noqa: E731
-    pieces = [step(tgt[:, :2]), step(tgt[:, 2:3]), step(tgt[:, 3:4]), step(tgt[:, 4:6])]
+    try:
+        pieces = [step(tgt[:, :2]), step(tgt[:, 2:3]), step(tgt[:, 3:4]), step(tgt[:, 4:6])]
+    finally:
+        for h in hooks:
+            h.remove()
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-4)
     assert cache.pos == tgt.shape[1]
+    assert len(kv_calls) == (cfg.n_dec_layers if cfg.arch == "encoder_decoder" else 0)
+
+
+def test_cache_reorder_follows_the_surviving_hypotheses():
+    """Beam search reorders the cache rows; decoding on continues as if the reordered batch had been fed."""
+    cfg = tiny(position="rope", norm_position="pre")
+    model = build_model(cfg).eval()
+    src, tgt = tokens(3, 6, 1), tokens(3, 5, 2)
+    src[2, 4:] = 0
+    order = torch.tensor([2, 0, 0])
+    with torch.no_grad():
+        memory, src_pad = model.encode(src)
+        cache = model.new_cache()
+        model.decode(tgt[:, :3], memory, src_pad, cache=cache)
+        cache.reorder(order)
+        got = model.decode(tgt[order, 3:], memory[order], src_pad[order], cache=cache)
+        want = model(src[order], tgt[order])[:, 3:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["encoder_decoder", "decoder_only"])
-@pytest.mark.parametrize("position", ["sinusoidal", "learned", "rope", "alibi", "none"])
-def test_causality(arch, position):
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_causality(arch, position, backend):
     """Changing a future token never changes an earlier output."""
     torch.manual_seed(0)
-    cfg = tiny(arch=arch, position=position, norm_position="pre")
+    cfg = tiny(arch=arch, position=position, norm_position="pre", attention_backend=backend)
     model = build_model(cfg).eval()
     src, tgt = tokens(2, 8, 3), tokens(2, 9, 4)
     base = run(model, cfg, src, tgt)
@@ -97,25 +209,44 @@ def test_causality(arch, position):
 
 
 @pytest.mark.parametrize("arch", ["encoder_decoder", "encoder_only"])
-@pytest.mark.parametrize("position", ["sinusoidal", "rope", "alibi"])
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_padding_never_changes_real_outputs(arch, position, backend):
-    """A sentence batched with a longer one (so padded) gives the outputs it gives alone,
-    through the encoder's self-attention and the decoder's cross-attention."""
+@pytest.mark.parametrize("position", POSITIONS)
+def test_padding_never_changes_real_outputs(arch, position):
+    """A sentence batched with a longer one (so padded) gives the outputs it gives alone, through the
+    encoder's self-attention and the decoder's cross-attention, on every backend."""
     torch.manual_seed(0)
-    cfg = tiny(arch=arch, position=position, attention_backend=backend)
+    cfg = tiny(arch=arch, position=position, qk_norm=True)
     model = build_model(cfg).eval()
     short, long_ = tokens(1, 5, 5), tokens(1, 9, 6)
     batch = torch.zeros(2, 9, dtype=torch.long)
     batch[0, :5], batch[1] = short[0], long_[0]
     tgt = tokens(2, 4, 7)
-    if arch == "encoder_decoder":
-        alone, batched = model(short, tgt[:1]), model(batch, tgt)
-        torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(batched[1], model(long_, tgt[1:])[0], atol=1e-5, rtol=1e-4)
-    else:
-        alone, batched = model(short), model(batch)
-        torch.testing.assert_close(batched[0, :5], alone[0], atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        for backend in backends_for(cfg):
+            set_backend(model, backend)
+            if arch == "encoder_decoder":
+                alone, batched = model(short, tgt[:1]), model(batch, tgt)
+                torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-4, msg=backend)
+                torch.testing.assert_close(batched[1], model(long_, tgt[1:])[0], atol=1e-5, rtol=1e-4, msg=backend)
+            else:
+                alone, batched = model(short), model(batch)
+                torch.testing.assert_close(batched[0, :5], alone[0], atol=1e-5, rtol=1e-4, msg=backend)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "alibi"])
+def test_a_source_of_only_padding_is_finite_and_the_same_on_every_backend(position):
+    """Its queries see no key at all: every backend gives a zero attention output there, never NaN."""
+    cfg = tiny(position=position)
+    model = build_model(cfg).eval()
+    src, tgt = tokens(2, 5, 1), tokens(2, 4, 2)
+    src[1] = 0
+    with torch.no_grad():
+        outs = {}
+        for backend in backends_for(cfg):
+            set_backend(model, backend)
+            outs[backend] = model(src, tgt)
+            assert torch.isfinite(outs[backend]).all(), backend
+    for backend, out in outs.items():
+        torch.testing.assert_close(out, outs["sdpa"], atol=1e-5, rtol=1e-4, msg=backend)
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
@@ -126,9 +257,10 @@ def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
     assert qkv.out_features == (4 + 2 * n_kv_heads) * cfg.head_dim
     model.eval()
     ids = tokens(2, 6)
-    eager = build_model(cfg.replace(attention_backend="eager")).eval()
-    eager.load_state_dict(model.state_dict())
-    torch.testing.assert_close(model(ids), eager(ids), atol=1e-5, rtol=1e-4)
+    for backend in ("eager", "flash_attn"):  # built from the config, not switched
+        other = build_model(cfg.replace(attention_backend=backend)).eval()
+        other.load_state_dict(model.state_dict())
+        torch.testing.assert_close(model(ids), other(ids), atol=1e-5, rtol=1e-4)
 
 
 def test_tied_embeddings_share_one_table():
@@ -140,7 +272,8 @@ def test_tied_embeddings_share_one_table():
     assert m.head is not None and m.head.weight is not m.decoder.embed.weight
 
 
-def test_logit_softcap_bounds_logits():
+def test_logit_softcap_caps_the_output_logits():
+    """logit_softcap: logits = c * tanh(logits / c) on the vocabulary projection (Gemma 2)."""
     cfg = tiny(arch="decoder_only", logit_softcap=2.0)
     model = build_model(cfg)
     with torch.no_grad():
@@ -152,28 +285,76 @@ def test_logit_softcap_bounds_logits():
     torch.testing.assert_close(out, 2.0 * torch.tanh(plain(tokens(2, 5)) / 2.0))
 
 
-def test_attn_softcap_matches_formula():
-    """Gemma 2: scores = c * tanh(scores / c) before the softmax."""
+@pytest.mark.parametrize("backend", ["eager", "flash_attn"])
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_attn_softcap_caps_the_scores_before_the_softmax(backend, n_kv_heads):
+    """attn_softcap: softmax(c * tanh(q k^T / sqrt(hd) / c)) v (Gemma 2), computed here by hand."""
     torch.manual_seed(0)
-    cfg = tiny(arch="decoder_only", attn_softcap=0.5, attention_backend="eager", n_dec_layers=1)
-    model = build_model(cfg).eval()
-    attn = model.decoder.layers[0].self_attn
-    attn.keep_weights = True
-    model(tokens(1, 6))
-    w = attn.weights  # (1, H, 6, 6)
-    assert w.shape == (1, 4, 6, 6)
-    # with scores capped to (-c, c), no weight in a row of n visible keys can exceed e^(2c) / (e^(2c) + n - 1)
-    n = torch.arange(1, 7).float()
-    bound = torch.exp(torch.tensor(1.0)) / (torch.exp(torch.tensor(1.0)) + n - 1)
-    assert (w[0].max(-1).values <= bound + 1e-6).all()
-    uncapped = build_model(cfg.replace(attn_softcap=0.0)).eval()
-    uncapped.load_state_dict(model.state_dict())
+    c = 0.5
+    cfg = tiny(arch="decoder_only", attn_softcap=c, attention_backend=backend, n_kv_heads=n_kv_heads,
+               attn_bias=False)
+    attn = Attention(cfg).eval()
     with torch.no_grad():
-        uncapped.decoder.layers[0].self_attn.qkv_proj.weight.mul_(30)  # large scores: uncapped peaks
-        model.decoder.layers[0].self_attn.qkv_proj.weight.mul_(30)
-    uncapped.decoder.layers[0].self_attn.keep_weights = True
-    uncapped(tokens(1, 6))
-    model(tokens(1, 6))
-    assert (attn.weights[0].max(-1).values <= bound + 1e-6).all()
-    assert (uncapped.decoder.layers[0].self_attn.weights[0].max(-1).values > bound + 1e-3).any()
-    torch.testing.assert_close(w.sum(-1), torch.ones(1, 4, 6))
+        attn.qkv_proj.weight.mul_(20)  # large scores: capping changes the result a lot
+        x = torch.randn(2, 6, cfg.d_model)  # (B, T, d)
+        got = attn(x, Mask(causal=True))
+        hd, H, Hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+        q, k, v = (x @ attn.qkv_proj.weight.T).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = q.view(2, 6, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k, v = (t.view(2, 6, Hkv, hd).transpose(1, 2).repeat_interleave(H // Hkv, 1) for t in (k, v))
+        s = q @ k.transpose(-2, -1) / math.sqrt(hd)  # (B, H, T, T)
+        future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        capped = (c * torch.tanh(s / c)).masked_fill(future, float("-inf")).softmax(-1)
+        uncapped = s.masked_fill(future, float("-inf")).softmax(-1)
+        want = attn.out_proj((capped @ v).transpose(1, 2).reshape(2, 6, -1))
+        plain = attn.out_proj((uncapped @ v).transpose(1, 2).reshape(2, 6, -1))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-2)  # the cap matters at these scores
+    if backend == "eager":
+        attn.keep_weights = True
+        attn(x, Mask(causal=True))
+        torch.testing.assert_close(attn.weights, capped)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Accounting over the switches the forward grid only samples, component by component.
+# ---------------------------------------------------------------------------------------------------------
+def component(name: str) -> str:
+    """The count_parameters key a parameter of the built model belongs to."""
+    parts = name.split(".")
+    if parts[0] == "head":
+        return "head"
+    stack = parts[0]
+    if parts[1] == "embed":
+        return "embeddings"
+    if parts[1] == "positions":
+        return f"{stack}.positions"
+    if parts[1] == "norm":  # the final norm of a pre/sandwich stack
+        return f"{stack}.norms"
+    sub = parts[3]  # layers.<i>.<sub>
+    return {"self_attn": f"{stack}.self_attention", "cross_attn": f"{stack}.cross_attention", "ffn": f"{stack}.ffn",
+            "norms": f"{stack}.norms", "out_norms": f"{stack}.norms"}[sub]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_accounting_equals_the_built_model_component_by_component(arch):
+    switches = itertools.cycle(itertools.product(["layernorm", "rmsnorm"], ["relu", "swiglu"], [False, True],
+                                                 [False, True], [False, True]))  # norm, ffn, 3 bias switches
+    n = 0
+    for norm_position, block, qk_norm, n_kv, tie, learned in itertools.product(
+            ["post", "pre", "sandwich"], ["serial", "parallel"], [False, True], [4, 2, 1], ["none", "decoder", "all"],
+            [False, True]):
+        norm, ffn, attn_bias, ffn_bias, norm_bias = next(switches)
+        cfg = tiny(arch=arch, norm=norm, norm_position=norm_position, block=block, ffn=ffn, qk_norm=qk_norm,
+                   n_kv_heads=n_kv, attn_bias=attn_bias, ffn_bias=ffn_bias, norm_bias=norm_bias, tie_embeddings=tie,
+                   position="learned" if learned else "rope", n_enc_layers=3, n_dec_layers=2,
+                   src_vocab_size=29 if tie != "all" else 0, d_ff=48 if ffn == "relu" else 0)
+        model = build_model(cfg)
+        built: dict[str, int] = {}
+        for name, p in model.named_parameters():  # a shared table is listed once
+            built[component(name)] = built.get(component(name), 0) + p.numel()
+        counts = count_parameters(cfg)
+        assert counts.pop("total") == sum(built.values()), cfg
+        assert {k: v for k, v in counts.items() if v} == built, cfg
+        n += 1
+    assert n == 216

@@ -22,14 +22,23 @@ from .layers import apply_rope, make_norm
 class Mask:
     """What a query may attend to, built once per forward and shared by every layer.
 
-    `bias` is None (everything visible, or `causal` alone) or a tensor broadcastable to (B, H, Tq, Tk):
-    bool (True = attend) or float (added to the scores: ALiBi and -inf for hidden keys).
+    `causal`: query i of Tq sees keys j <= i + (Tk - Tq), i.e. the mask is aligned bottom-right, so new
+    queries after a cached prefix see the whole prefix (flash-attn's convention). Backends apply it
+    themselves: no (Tq, Tk) tensor is built when a kernel can do it, so SDPA may pick its flash kernel.
+    `bias` is None or a tensor broadcastable to (B, H, Tq, Tk): bool (True = attend) or float (added to
+    the scores: ALiBi and -inf for hidden keys).
     `key_pad` (B, Tk), True at padding, is kept for backends that take lengths instead of a mask.
+    A query that may see no key at all (a source made only of padding) gets a zero output on every backend.
     """
 
-    causal: bool = False  # top-left aligned causal mask with Tq == Tk, left to the kernel
+    causal: bool = False
     bias: torch.Tensor | None = None
     key_pad: torch.Tensor | None = None
+
+
+def causal_allowed(Tq: int, Tk: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(Tq, Tk) bool, True = attend: the bottom-right aligned causal mask of `Mask.causal`."""
+    return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)  # (Tq, Tk)
 
 
 class KVCache:
@@ -147,8 +156,19 @@ class Attention(nn.Module):
         if self.backend == "flash_attn":
             return self._flash(q, k, v, mask, p)
         gqa = {"enable_gqa": True} if self.n_kv != self.n_heads else {}
+        attn_mask, is_causal = mask.bias, mask.causal
+        Tq, Tk = q.shape[2], k.shape[2]
+        if is_causal and (Tq != Tk or attn_mask is not None):  # SDPA's is_causal is top-left aligned
+            allowed = causal_allowed(Tq, Tk, q.device)  # (Tq, Tk)
+            if attn_mask is None:
+                attn_mask = allowed
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = attn_mask & allowed  # (B|1, H|1, Tq, Tk)
+            else:
+                attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+            is_causal = False
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.bias, dropout_p=p, is_causal=mask.causal and mask.bias is None, **gqa
+            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, **gqa
         )  # (B, H, T, hd)
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float) -> torch.Tensor:
@@ -160,15 +180,15 @@ class Attention(nn.Module):
         if self.softcap:  # Gemma 2 (arXiv:2408.00118): keep scores in (-c, c)
             scores = self.softcap * torch.tanh(scores / self.softcap)
         if mask.causal:
-            Tq, Tk = scores.shape[-2:]
-            allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = scores.masked_fill(~causal_allowed(*scores.shape[-2:], q.device), float("-inf"))
         if mask.bias is not None:
             if mask.bias.dtype == torch.bool:
                 scores = scores.masked_fill(~mask.bias, float("-inf"))
             else:
                 scores = scores + mask.bias
         w = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
+        if mask.bias is not None:  # a row with every key hidden: zeros, as SDPA and flash-attn give, not NaN
+            w = w.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)  # (B, H, Tq, Tk)
         if self.keep_weights:
             self.weights = w.detach()
         w = F.dropout(w, p) if p else w
@@ -181,8 +201,7 @@ class Attention(nn.Module):
         if mask.bias is not None and mask.key_pad is None:
             raise ValueError("attention_backend=flash_attn cannot apply an arbitrary mask; use sdpa or eager")
         B, H, Tq, hd = q.shape
-        Tk = k.shape[2]
-        causal = mask.causal or (not self.cross and Tq > 1 and Tq != Tk and mask.bias is None)
+        causal = mask.causal  # bottom-right aligned, as flash-attn aligns it
         extra = {"softcap": self.softcap} if self.softcap else {}
         qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H|Hkv, hd)
         if mask.key_pad is None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import KVCache, Mask
+from .attention import KVCache, Mask, causal_allowed
 from .block import Block
 from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
@@ -43,20 +43,18 @@ class Stack(nn.Module):
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
 
     def _self_mask(self, Tq: int, Tk: int, start: int, key_pad: torch.Tensor | None, device) -> Mask:
-        alibi = self.cfg.position == "alibi"
-        allowed = None  # bool, broadcastable to (B, H, Tq, Tk), True = attend
+        """Self-attention of Tq new queries (positions start..start+Tq) over Tk keys (0..Tk)."""
+        causal = self.causal and Tq > 1  # one new query after a cached prefix may see every key
+        if self.cfg.position != "alibi":  # no mask tensor for plain causal attention: the kernel applies it
+            allowed = ~key_pad[:, None, None, :] if key_pad is not None else None  # (B, 1, 1, Tk)
+            return Mask(causal=causal, bias=allowed, key_pad=key_pad)
+        q_pos = torch.arange(start, start + Tq, device=device)  # (Tq,)
+        bias = alibi_bias(self.slopes, q_pos, torch.arange(Tk, device=device))  # (H, Tq, Tk)
+        if causal:
+            bias = bias.masked_fill(~causal_allowed(Tq, Tk, device), float("-inf"))  # (H, Tq, Tk)
         if key_pad is not None:  # encoder: hide padded keys
-            allowed = ~key_pad[:, None, None, :]  # (B, 1, 1, Tk)
-        if self.causal and Tq > 1 and (Tq != Tk or alibi):  # explicit causal mask, bottom-right aligned
-            allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)  # (Tq, Tk)
-        if alibi:
-            q_pos = torch.arange(start, start + Tq, device=device)
-            bias = alibi_bias(self.slopes, q_pos, torch.arange(Tk, device=device))  # (H, Tq, Tk)
-            if allowed is not None:
-                bias = torch.where(allowed, bias, float("-inf"))  # (B|1, H, Tq, Tk)
-            return Mask(bias=bias, key_pad=key_pad)
-        # no mask tensor for plain causal attention, so SDPA may pick its flash kernel
-        return Mask(causal=self.causal and Tq > 1 and Tq == Tk, bias=allowed, key_pad=key_pad)
+            bias = bias.masked_fill(key_pad[:, None, None, :], float("-inf"))  # (B, H, Tq, Tk)
+        return Mask(bias=bias, key_pad=key_pad)
 
     def forward(
         self,
