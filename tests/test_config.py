@@ -30,6 +30,28 @@ def test_yaml_round_trip_is_exact(changes):
     assert back.to_yaml() == cfg.to_yaml()
 
 
+# a valid non-default value for every field: together they are one config that runs
+NON_DEFAULT = dict(
+    arch="decoder_only", vocab_size=1234, src_vocab_size=99, d_model=96, n_heads=6, n_kv_heads=3, n_enc_layers=0,
+    n_dec_layers=5, d_ff=333, ffn_multiple_of=64, max_seq_len=77, norm="rmsnorm", norm_position="sandwich",
+    norm_eps=1e-6, ffn="geglu", attn_bias=False, ffn_bias=False, norm_bias=False, block="parallel", qk_norm=True,
+    position="rope", rope_theta=123456.789, rope_fraction=0.25, tie_embeddings="none", scale_embeddings=False,
+    dropout=0.123, attn_dropout=0.05, logit_softcap=30.5, attn_softcap=50.25, z_loss=1e-4,
+    attention_backend="eager", init="normal", init_std=0.0123, pad_id=7,
+)
+
+
+def test_every_field_round_trips_through_yaml():
+    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**NON_DEFAULT)
+    default = ModelConfig()
+    assert all(getattr(cfg, k) != getattr(default, k) for k in NON_DEFAULT)
+    back = ModelConfig.from_yaml(cfg.to_yaml())
+    assert back == cfg and back.to_yaml() == cfg.to_yaml()
+    for k, v in NON_DEFAULT.items():  # the same values, the same types (no float turned str or int)
+        assert getattr(back, k) == v and type(getattr(back, k)) is type(v), k
+
+
 def test_ints_for_float_fields_are_normalised():
     cfg = ModelConfig.from_dict({"rope_theta": 10000, "dropout": 0})
     assert isinstance(cfg.rope_theta, float) and cfg == ModelConfig(rope_theta=10000.0, dropout=0.0)

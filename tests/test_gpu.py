@@ -60,3 +60,30 @@ def test_encoder_decoder_bf16_training_step_is_finite():
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_flash_attn_package_matches_sdpa_with_padding_and_cache():
+    """The flash_attn backend (the flash-attn package; skipped where it is not installed) against sdpa in bf16:
+    an encoder-decoder with padded sources (the varlen kernel) and cached decoding after a prefix."""
+    pytest.importorskip("flash_attn")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_enc_layers=2, n_dec_layers=2,
+                      position="rope", norm_position="pre", dropout=0.0)
+    sdpa = build_model(cfg).cuda().eval()
+    flash = build_model(cfg.replace(attention_backend="flash_attn")).cuda().eval()
+    flash.load_state_dict(sdpa.state_dict())
+    src = torch.randint(4, 512, (4, 40), device="cuda")
+    src[1, 25:] = 0
+    src[3, 10:] = 0
+    tgt = torch.randint(4, 512, (4, 30), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = sdpa(src, tgt).float()
+        got = flash(src, tgt).float()
+        memory, src_pad = flash.encode(src)
+        cache = flash.new_cache()
+        steps = [flash.decode(tgt[:, :10], memory, src_pad, cache=cache),
+                 flash.decode(tgt[:, 10:20], memory, src_pad, cache=cache)]
+        steps += [flash.decode(tgt[:, t:t + 1], memory, src_pad, cache=cache) for t in range(20, 30)]
+    tol = 0.05 * want.abs().max().item()
+    assert (got - want).abs().max().item() < tol
+    assert (torch.cat(steps, dim=1).float() - want).abs().max().item() < tol

@@ -126,3 +126,16 @@ def test_flash_attn_backend_without_the_package_names_the_extra(monkeypatch):
                       attention_backend="flash_attn")
     with pytest.raises(ImportError, match=r"attnlab\[flash\]"):
         build_model(cfg)
+
+
+def test_flash_attn_softcap_needs_flash_attn_2_6(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.5.9"))
+    cfg = ModelConfig(arch="decoder_only", vocab_size=10, d_model=16, n_heads=2, n_dec_layers=1,
+                      attention_backend="flash_attn")
+    build_model(cfg)  # no soft-capping: 2.5 is enough
+    with pytest.raises(ImportError, match=r"attn_softcap.*flash-attn >= 2\.6 \(installed: 2\.5\.9\)"):
+        build_model(cfg.replace(attn_softcap=30.0))
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
+    build_model(cfg.replace(attn_softcap=30.0))

@@ -152,8 +152,6 @@ class ModelConfig(StrictConfig):
             )
         if self.position == "alibi" and self.attention_backend == "flash_attn":
             raise ConfigError("model.position=alibi is not supported with model.attention_backend=flash_attn")
-        if self.d_ff and self.d_ff < 1:
-            raise ConfigError(f"model.d_ff={self.d_ff} must be >= 1")
 
     # ----- derived values (no state: computed from the fields) -----
     @property

@@ -61,15 +61,23 @@ class KVCache:
                     store[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
 
 
-def flash_attn_module():
-    """Import flash-attn or fail with the install hint."""
+def flash_attn_module(softcap: bool = False):
+    """Import flash-attn or fail with the install hint. Soft-capping needs flash-attn >= 2.6."""
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
     except ImportError as e:
         raise ImportError(
             "model.attention_backend=flash_attn needs the flash-attn package: pip install 'attnlab[flash]' "
             "(CUDA only), or use attention_backend=sdpa"
         ) from e
+    version = getattr(flash_attn, "__version__", None)
+    if softcap and version is not None:
+        major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+        if major_minor < (2, 6):
+            raise ImportError(
+                f"model.attn_softcap with model.attention_backend=flash_attn needs flash-attn >= 2.6 "
+                f"(installed: {version}): pip install -U flash-attn, or use attention_backend=eager"
+            )
     return flash_attn
 
 
@@ -100,7 +108,7 @@ class Attention(nn.Module):
         self.keep_weights = False  # eager backend: store the last attention weights in .weights
         self.weights: torch.Tensor | None = None
         if self.backend == "flash_attn":
-            flash_attn_module()
+            flash_attn_module(softcap=self.softcap > 0)
 
     def forward(
         self,
