@@ -86,6 +86,13 @@ def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path, monkeypatch,
     assert "-m attnlab.ablate.slurm task" in script and not (tmp_path / "runs").exists()
 
 
+def test_without_slurm_and_without_root_the_cluster_tests_skip_saying_why(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "binary", lambda name: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match=r"SLURM is not installed \(munged, .*not root, so it cannot"):
+        ensure_slurm()
+
+
 def shlex_quoted(path: Path) -> str:
     import shlex
 
@@ -297,6 +304,10 @@ def test_a_grid_runs_as_an_array_of_two_workers_and_its_table_is_right(slurm_clu
                  "--fit", FAKE, "--heartbeat", "1", "--grace", "30", "--poll", "0.5"]) == 0
     job = job_of(study_dir / "slurm" / "jobs.jsonl")
     snapshot = study_dir / "slurm" / "submit-001"
+    capsys.readouterr()
+    assert main(["ablate", "status", str(study_dir)]) == 0  # while the jobs are queued or running
+    out = capsys.readouterr().out
+    assert "4 points:" in out and len(re.findall(rf"^  {job}_[01] +(PENDING|RUNNING) ", out, re.M)) == 2, out
     states = slurm_cluster.wait(job, 180, snapshot / "logs")
     assert states == {f"{job}_0": "COMPLETED", f"{job}_1": "COMPLETED"}, read_logs(snapshot / "logs")
     assert not [p for p in tmp_path.rglob("PWNED*") if re.fullmatch(r"PWNED\d?", p.name)], "a command ran"
@@ -348,6 +359,8 @@ def test_a_fit_with_two_slurm_tasks_runs_ddp_on_gloo_through_srun(slurm_cluster,
     log = read_logs(logs)
     assert "distributed_backend=gloo" in log and "Starting with 2 processes" in log, log
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "[attnlab task 0/2]" in log
+    # the data was prepared once, in the batch step, before the two tasks started
+    assert log.count("trained BPE tokenizer") == 1 and log.index("data ready") < log.index("[attnlab task 0/2]")
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 6
     assert "devices: 2" in (run_dir / "config.yaml").read_text()

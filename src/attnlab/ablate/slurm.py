@@ -249,7 +249,7 @@ def submit_study(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     check_study_name(spec.name)
-    if args.fit != "attnlab.train:fit" and not _FIT.match(args.fit):
+    if args.fit != DEFAULT_INNER and not _FIT.match(args.fit):
         raise ConfigError(f"--fit {args.fit!r}: expected module:function")
     study_dir = check_path(Path(args.dir).resolve() if args.dir else default_study_dir(spec).resolve(), "--dir")
     recorded = study_dir / "study.yaml"
@@ -332,8 +332,9 @@ def submit_fit(exp: Any, args: argparse.Namespace) -> int:
     command = [*srun_prefix(res.gpus_per_task > 0), sys.executable, "-m", "attnlab.ablate.slurm", "task",
                str(config), "--ckpt_path", args.ckpt_path or "none"]
     template, source = read_template("fit.sbatch", args.template)
-    script = render(template, script_values(snapshot, res.directives(snapshot / "logs", "fit-%j.log"), command),
-                    source)
+    values = script_values(snapshot, res.directives(snapshot / "logs", "fit-%j.log"), command)
+    values["prepare"] = shlex.join([sys.executable, "-m", "attnlab.ablate.slurm", "prepare", str(config)])
+    script = render(template, values, source)
     if args.dry_run:
         print(script)
         print("# dry run: nothing written or submitted", file=sys.stderr)
@@ -412,6 +413,19 @@ def srun_prefix(gpus: bool | None = None) -> list[str]:
     return ["srun", "--kill-on-bad-exit=1", *(["--gpu-bind=none"] if gpus else [])]
 
 
+DEFAULT_INNER = "attnlab.train:fit"
+
+
+def prepare_data(exp: Any) -> None:
+    """Tokenizer and token caches built (or found) by this one process before the step starts: otherwise every
+    task of the step builds the same caches at once. Keep data.data_dir on the shared file system."""
+    from ..train import make_datamodule
+
+    t0 = time.perf_counter()
+    make_datamodule(exp).prepare_data()
+    log.info("data ready in %.1f s", time.perf_counter() - t0)
+
+
 class SrunFit:
     """A fit(exp, ckpt_path) for workers inside a SLURM job: the trial runs as an srun step of the job's
     allocation (one task per device), each task running `inner` (module:function, train.fit by default)."""
@@ -427,6 +441,8 @@ class SrunFit:
         tmp = config.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(exp.to_yaml(), encoding="utf-8")
         tmp.replace(config)
+        if self.inner == DEFAULT_INNER:  # a custom fit prepares its own data
+            prepare_data(exp)
         cmd = [*srun_prefix(), sys.executable, "-m", "attnlab.ablate.slurm", "task", str(config), "--fit",
                self.inner, "--ckpt_path", ckpt_path or "none"]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -474,7 +490,7 @@ def task_main(argv: list[str] | None = None) -> int:
     """One srun task of a trial or a fit: load the resolved config, resume when there is a checkpoint, fit."""
     p = argparse.ArgumentParser(prog="python -m attnlab.ablate.slurm task")
     p.add_argument("config", help="a resolved experiment (trial.yaml / config.yaml)")
-    p.add_argument("--fit", default="attnlab.train:fit", help="module:function with train.fit's signature")
+    p.add_argument("--fit", default=DEFAULT_INNER, help="module:function with train.fit's signature")
     p.add_argument("--ckpt_path", default="none",
                    help="none | last | PATH; in a requeued job (SLURM_RESTART_COUNT > 0) the newest checkpoint")
     args = p.parse_args(argv)
@@ -544,7 +560,22 @@ def slurm_status(jobs_file: Path) -> str:
     return "\n".join(lines)
 
 
+def prepare_main(argv: list[str]) -> int:
+    """`prepare CONFIG`: the data of a resolved experiment, built once in the batch step before srun."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("attnlab").setLevel(logging.INFO)
+    from ..experiment import from_raw
+
+    check_code()
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m attnlab.ablate.slurm prepare CONFIG")
+    prepare_data(from_raw(load_yaml(Path(argv[0])), argv[0]))
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["task"]:
-        sys.exit("usage: python -m attnlab.ablate.slurm task CONFIG [--fit module:function] [--ckpt_path P]")
-    sys.exit(task_main(sys.argv[2:]))
+    commands = {"task": task_main, "prepare": prepare_main}
+    if sys.argv[1:2] == [] or sys.argv[1] not in commands:
+        sys.exit("usage: python -m attnlab.ablate.slurm task CONFIG [--fit module:function] [--ckpt_path P]\n"
+                 "       python -m attnlab.ablate.slurm prepare CONFIG")
+    sys.exit(commands[sys.argv[1]](sys.argv[2:]))
