@@ -267,8 +267,11 @@ def submit_study(args: argparse.Namespace) -> int:
     res = resources_from(args, spec.name, spec.resources, base.trainer.devices, base.trainer.num_nodes)
 
     todo = len(spec.points()) if not spec.is_search else spec.n_trials
-    if recorded.exists():
-        counts = status_counts(connect(spec, study_dir, storage))
+    try:  # a study already in the storage: only what is still pending
+        counts = status_counts(connect(spec, study_dir, storage)) if recorded.exists() else None
+    except ConfigError:  # recorded elsewhere, not (yet) in this storage
+        counts = None
+    if counts is not None:
         todo = counts.get("pending", 0) + (spec.n_trials - sum(counts.values()) if spec.is_search else 0)
     if todo == 0 and not args.dry_run:
         print(f"{spec.name}: nothing to run (every point is done, invalid or failed); see `attnlab ablate status`")
