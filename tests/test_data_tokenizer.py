@@ -10,7 +10,8 @@ from attnlab.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, DataConfig, DataError, 
 from attnlab.data.corpora import gettext_pairs
 
 TRICKY = ["", " leading and trailing ", "tabs\tand\nnewlines\r\n", "Cafe\u0301 (NFD) vs Café", "emoji 🦀👍🏽",
-          "日本語のテキスト", "zero\u200bwidth", "  multiple   spaces  ", "_File &Open %s %1$d", "Größe ß ẞ"]
+          "日本語のテキスト", "zero\u200bwidth", "  multiple   spaces  ", "_File &Open %s %1$d", "Größe ß ẞ",
+          "HTML <s>struck</s>, a literal <pad> and <unk>"]
 
 
 def test_special_ids_are_fixed(data_pairs):
@@ -21,6 +22,8 @@ def test_special_ids_are_fixed(data_pairs):
     ids = tok.encode(data_pairs[0][0])
     assert ids and min(ids) > UNK_ID  # encoding adds no specials, and never needs <unk>
     assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]) == data_pairs[0][0]  # decoding drops specials
+    spelled = tok.encode("a </s> b <s>")  # text that spells a special token is text, not the special id
+    assert min(spelled) > UNK_ID and tok.decode(spelled) == "a </s> b <s>"
 
 
 def test_round_trip_is_exact_after_nfc(data_pairs):

@@ -47,7 +47,8 @@ from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, check_vocab_si
 
 log = logging.getLogger("attnlab.data")
 
-FORMAT = 1  # bump when the cache layout changes: old caches then no longer match and are rebuilt
+FORMAT = 2  # bump when the cache layout or the encoding changes: old caches then no longer match and are rebuilt
+# (2: text spelling a special token is encoded as text)
 CHUNK = 20_000  # examples per encode_batch call: big enough for the Rust threads, small enough for flat RAM
 
 

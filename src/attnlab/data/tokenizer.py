@@ -1,8 +1,9 @@
 """Byte-level BPE (Hugging Face `tokenizers`) with fixed special ids, trained once per corpus + settings.
 
 Text is NFC-normalised, then split GPT-2 style into byte-level pieces. Every byte has a symbol, so nothing is
-ever <unk> and `decode(encode(x)) == normalize(x) == unicodedata.normalize("NFC", x)` exactly: BLEU is computed
-on real text. No prefix space is added (it would not be removed on decoding).
+ever <unk>, and text that spells a special token ("</s>") is encoded as plain text. Hence
+`decode(encode(x)) == normalize(x) == unicodedata.normalize("NFC", x)` exactly: BLEU is computed on real text.
+No prefix space is added (it would not be removed on decoding).
 
 The ids pad=0, bos=1, eos=2, unk=3 are fixed: the models and the collate functions rely on them.
 """
@@ -64,6 +65,9 @@ class Tokenizer:
         self.src = src
         self.tgt = tgt if tgt is not None else src
         for side, tok in (("src", self.src), ("tgt", self.tgt)):
+            # text that spells a special token ("<s>", "</s>" in web text) is encoded as text, never as the
+            # special id: else it would end a sentence early and vanish on decoding
+            tok.encode_special_tokens = True
             for tid, name in enumerate(SPECIALS):
                 if tok.token_to_id(name) != tid:
                     raise DataError(f"{side} tokenizer: {name} has id {tok.token_to_id(name)}, expected {tid}")
