@@ -29,8 +29,8 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --model.norm rmsnorm")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(rest):
-                raise ConfigError(f"override --{key} needs a value")
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                raise ConfigError(f"override --{key} needs a value (--{key} VALUE or --{key}=VALUE)")
             value, i = rest[i + 1], i + 1
         out[key] = parse_value(value)
         i += 1
@@ -48,19 +48,84 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------- commands
+# Parameter counts published for shipped recipes, keyed by recipe name: (count, where, embedding-table rows the
+# publication's code allocated, what is known). Vaswani et al. count 65M (base) and 213M (big) with "a shared
+# source-target vocabulary of about 37000 tokens"; their code, tensor2tensor's wmt_ende_bpe32k problem
+# (problem_hparams.py, 2017), read vocab.bpe.32000 into a table of 40,960 rows. Lukasz Kaiser in
+# tensorflow/tensor2tensor issue #55: "unluckily it's called bpe32k but it contains about 40000 word-pieces".
+# tests/test_paper_recipes.py checks the claim in _T2T_ROWS against Table 3.
+_T2T_ROWS = ("the paper's code (tensor2tensor's wmt_ende_bpe32k problem) allocated 40,960 embedding rows for its "
+             "~37k BPE vocabulary (t2t issue #55), and with 40,960 rows Table 3's base and (C) rows all round to "
+             "their published counts, big's does not")
+PUBLISHED_PARAMS: dict[str, tuple[float, str, int, str]] = {
+    "wmt14_en_de_base": (65e6, "Vaswani et al. 2017, Table 3", 40960, _T2T_ROWS),
+    "wmt14_en_de_big": (213e6, "Vaswani et al. 2017, Table 3", 40960, _T2T_ROWS),
+}
+
+
+def info_config(path: str) -> tuple[ModelConfig, str, str | None]:
+    """(model config, where its vocabulary comes from, recipe name or None) for `attnlab info`.
+
+    A bare model YAML is sized as written. A recipe is sized with the vocabulary fit will give it: the
+    tokenizer has exactly data.vocab_size entries (one BPE shared by both sides when data.joint_vocab, else one
+    per side, of that size each), and fit copies it into the model as train.resolve_model does."""
+    raw = load_yaml(Path(path))
+    if not any(k in raw for k in ("model", "data", "base")):
+        cfg = ModelConfig.from_dict(raw)
+        return cfg, f"model.vocab_size={cfg.vocab_size:,}", None
+    from .experiment import load_experiment
+
+    exp = load_experiment(path)
+    changes: dict[str, Any] = {"vocab_size": exp.data.vocab_size, "src_vocab_size": 0}  # as resolve_model
+    if exp.task == "lm":
+        changes["max_seq_len"] = max(exp.model.max_seq_len, exp.data.seq_len)
+        kind = "BPE"
+    else:
+        kind = "joint source-target BPE" if exp.data.joint_vocab else "source BPE and target BPE of that size each"
+    return exp.model.replace(**changes), f"data.vocab_size={exp.data.vocab_size:,} ({kind})", exp.name
+
+
+def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list[str]:
+    """Lines comparing `total` with the published count of recipe `name` (none if it has none): the difference,
+    the embedding-table size the published figure implies, and the count with the publication's table size."""
+    from .models.accounting import count_parameters
+
+    if name not in PUBLISHED_PARAMS:
+        return []
+    published, where, rows, known = PUBLISHED_PARAMS[name]
+    per_row = count_parameters(cfg.replace(vocab_size=cfg.vocab_size + 1))["total"] - total
+    lo, hi = (cfg.vocab_size + (published + s * 0.5e6 - total) / per_row for s in (-1, 1))
+    with_rows = count_parameters(cfg.replace(vocab_size=rows))["total"]
+    fits = round(with_rows / 1e6) == round(published / 1e6)
+    lines = [
+        f"paper: {published / 1e6:.0f}M ({where}); this recipe: {total / 1e6:.2f}M ({(total - published) / 1e6:+.2f}M)",
+        f"  if only the embedding table differs ({per_row:,} parameters a row), a count that rounds to "
+        f"{published / 1e6:.0f}M needs {lo:,.0f}-{hi:,.0f} rows, against {cfg.vocab_size:,} here",
+        f"  known: {known}",
+        f"  with {rows:,} rows this recipe has {with_rows / 1e6:.2f}M: "
+        + (f"it rounds to the paper's {published / 1e6:.0f}M, consistent with the layers agreeing and only the "
+           f"table's size differing" if fits else
+           f"not {published / 1e6:.0f}M either: the table's size does not explain the published count"),
+    ]
+    return lines
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .models.accounting import count_parameters, training_flops
 
-    cfg = load_model_config(args.config)
+    cfg, vocab_from, recipe = info_config(args.config)
     counts = count_parameters(cfg)
     total = counts.pop("total")
     print(f"{args.config}: arch={cfg.arch} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.kv_heads} "
           f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position} block={cfg.block} position={cfg.position}")
+    print(f"vocabulary: {vocab_from}; embeddings tied: {cfg.tie_embeddings}")
     width = max(len(k) for k in counts)
     for name, n in counts.items():
         if n:
             print(f"  {name:<{width}}  {n:>15,}  {100 * n / total:5.1f}%")
     print(f"  {'total':<{width}}  {total:>15,}  ({total / 1e6:.2f}M)")
+    for line in published_comparison(cfg, total, recipe):
+        print(line)
     src_len = args.src_len if cfg.arch == "encoder_decoder" else None
     flops = training_flops(cfg, args.seq_len, src_len)
     what = f"target token (source {src_len}, target {args.seq_len})" if src_len else f"token (length {args.seq_len})"
@@ -73,6 +138,10 @@ def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from .train import fit
 
     exp = load_experiment(args.config, overrides)
+    if args.slurm:  # submit the same run as a SLURM job instead (attnlab.ablate.slurm)
+        from .ablate.slurm import submit_fit
+
+        return submit_fit(exp, args)
     t0 = time.perf_counter()
     run_dir = fit(exp, ckpt_path=args.ckpt_path)
     print(f"fit done in {time.perf_counter() - t0:.0f}s; run directory: {run_dir}")
@@ -92,7 +161,10 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     module = load_module(args.ckpt, exp.decode)
     split = "valid" if args.command == "validate" else "test"
     t0 = time.perf_counter()
-    trainer = make_trainer(exp, exp.run_dir(), logger=False, callbacks=[], enable_progress_bar=False)
+    # one process, whatever the recipe trains with: under DDP the samplers would repeat batches to even out
+    # the ranks' shares, and those would be counted twice
+    trainer = make_trainer(exp, exp.run_dir(), logger=False, callbacks=[], enable_progress_bar=False, devices=1,
+                           num_nodes=1, strategy="auto")
     if exp.task == "translation":
         module.decode_cfg = module.decode_cfg.__class__.from_dict({**exp.decode.to_dict(), "val_sentences": 0})
     run = trainer.validate if split == "valid" else trainer.test
@@ -158,12 +230,21 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
     module = load_module(args.ckpt)
     if not isinstance(module.model_cfg, ModelConfig) or module.model_cfg.arch != "encoder_decoder":
-        raise ConfigError(f"{args.ckpt} is not a translation model")
+        raise ConfigError(f"{args.ckpt} is not a translation model (model.arch={module.model_cfg.arch})")
     tok = load_tokenizer(run_dir_of(args.ckpt))
-    src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
-    lines = [line.rstrip("\n") for line in src]
+    name = "<stdin>" if args.input == "-" else args.input
+    data = sys.stdin.buffer.read() if args.input == "-" else Path(args.input).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{name}: line {line} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = text.split("\n")  # one translation per input line (as wc -l counts them), empty lines included
+    if lines[-1] == "":
+        lines.pop()
+    lines = [line.removesuffix("\r") for line in lines]
     for hyp in translate_lines(module, tok, lines, beam=args.beam):
-        print(hyp)
+        print(hyp.replace("\r", " ").replace("\n", " "))  # a decoded newline must not break the alignment
     return 0
 
 
@@ -174,18 +255,25 @@ def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from .evaluate import load_module, load_tokenizer, run_dir_of
 
     module = load_module(args.ckpt)
+    if module.model_cfg.arch != "decoder_only":
+        raise ConfigError(f"{args.ckpt} is not a language model (model.arch={module.model_cfg.arch}); "
+                          "attnlab translate decodes translation models")
     tok = load_tokenizer(run_dir_of(args.ckpt))
-    ids = [1] + list(tok.encode(args.prompt))  # BOS + prompt
+    # LM training streams documents each followed by EOS (no BOS anywhere), so EOS is what precedes the start of a
+    # document: the prompt is conditioned on it, and generation stops at the next one
+    ids = [tok.eos_id] + list(tok.encode(args.prompt, side="tgt"))
     g = torch.Generator().manual_seed(args.seed)
     out = generate(module.model, torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=2, generator=g)
-    print(tok.decode(list(out[0])))
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=g)
+    print(tok.decode(list(out[0]), side="tgt"))
     return 0
 
 
 def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from .decode import average_checkpoints, last_checkpoints
 
+    if not args.ckpts and not args.run_dir:
+        raise ConfigError("attnlab average needs --run_dir (its last --last checkpoints) or --ckpts a.ckpt b.ckpt ...")
     paths = args.ckpts or [str(p) for p in last_checkpoints(Path(args.run_dir) / "checkpoints", args.last)]
     if not paths:
         raise FileNotFoundError(f"no checkpoints to average in {args.run_dir}/checkpoints")
@@ -194,6 +282,26 @@ def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     print(f"averaged {len(paths)} checkpoints -> {out}")
     for p in paths:
         print(f"  {p}")
+    return 0
+
+
+def cmd_bleu(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """sacreBLEU and chrF of a hypothesis file against a reference file (detokenised text, one sentence a line);
+    with --compound-split also the 2017 papers' tokenised BLEU with compound splitting (attnlab.bleu)."""
+    from .bleu import compound_split_bleu, read_pair
+    from .evaluate import score
+
+    hyps, refs = read_pair(args.hyp, args.ref)
+    result: dict[str, Any] = score(hyps, refs)
+    print(f"sacreBLEU (detokenised): {result['bleu_detail']}\n  signature: {result['bleu_signature']}")
+    print(f"chrF2: {result['chrf']:.2f}\n  signature: {result['chrf_signature']}")
+    if args.compound_split:
+        tok = compound_split_bleu(hyps, refs, lang=args.lang)
+        result["compound_split"] = tok
+        print(f"tokenised BLEU with compound splitting (as in Vaswani et al. 2017): {tok['detail']}")
+        print(f"  method: {tok['method']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
     return 0
 
 
@@ -208,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     fit_p = sub.add_parser("fit", help="train an experiment; extra --section.key value pairs override the recipe")
     fit_p.add_argument("-c", "--config", required=True)
     fit_p.add_argument("--ckpt_path", default=None, help="'last' resumes the run's last checkpoint, or a path")
+    fit_p.add_argument("--slurm", action="store_true", help="submit this run as a SLURM job (sbatch) instead")
+    from .ablate.slurm import add_slurm_args
+
+    add_slurm_args(fit_p)
     for name in ("validate", "test"):
         e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split")
         e.add_argument("-c", "--config", required=True)
@@ -227,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top_k", type=int, default=0)
     gen.add_argument("--top_p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
+    bleu = sub.add_parser("bleu", help="sacreBLEU/chrF of a hypothesis file; --compound-split adds the paper's BLEU")
+    bleu.add_argument("--hyp", required=True, help="hypotheses, detokenised, one sentence a line")
+    bleu.add_argument("--ref", required=True, help="references, detokenised, line-aligned with --hyp")
+    bleu.add_argument("--compound-split", action="store_true",
+                      help="also Moses-tokenised BLEU with ##AT## compound splitting (get_ende_bleu.sh)")
+    bleu.add_argument("--lang", default="de", help="Moses tokenizer language for --compound-split (target side)")
+    bleu.add_argument("--json", default=None, help="also write the scores to this JSON file")
     avg = sub.add_parser("average", help="average checkpoints (the last N of a run, or those given)")
     avg.add_argument("--run_dir", default=None)
     avg.add_argument("--last", type=int, default=5)
@@ -245,7 +364,8 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_demo, "validate": cmd_eval,
-            "test": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "average": cmd_average}
+            "test": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "average": cmd_average,
+            "bleu": cmd_bleu}
 
 
 def main(argv: list[str] | None = None) -> int:
