@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # A CPU build of torch where this machine offers one (a local wheel); otherwise pip's default for the platform.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test demo ablate-demo lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ test: venv
 DEMO ?= experiments/demo_en_de.yaml
 demo: venv
 	$(VENV)/bin/attnlab demo -c $(DEMO)
+
+# A small ablation of the demo task on the CPU: LayerNorm vs RMSNorm x ReLU vs SwiGLU, 2 local workers;
+# re-running it only runs what is missing. Prints the table (also written as CSV and LaTeX) and the plots.
+ABLATION ?= ablations/demo_norm_ffn.yaml
+ablate-demo: venv
+	$(VENV)/bin/attnlab ablate run $(ABLATION) --workers 2
+	$(VENV)/bin/attnlab ablate table $(ABLATION)
+	$(VENV)/bin/attnlab ablate plot $(ABLATION)
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
