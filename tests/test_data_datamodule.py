@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -227,3 +228,71 @@ def test_lightning_fit_reshuffles_each_epoch(data_tsv, tmp_path):
     e0, e1 = module.epochs[0], module.epochs[1]
     assert sorted(e0) == sorted(e1) == list(range(len(dm.dataset("train"))))
     assert e0 != e1
+
+
+def _fake_trainer(rank: int) -> SimpleNamespace:
+    return SimpleNamespace(world_size=2, global_rank=rank, local_rank=rank,
+                           _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+
+
+def test_only_rank_0_trains_the_tokenizer_and_builds_the_cache(data_tsv, tmp_path, monkeypatch):
+    """Under DDP, Lightning runs prepare_data on rank 0, then setup everywhere: rank 1 only loads."""
+    cfg = DataConfig(corpus=str(data_tsv), data_dir=str(tmp_path / "cache"), vocab_size=400)
+    real_train = tokenizer.Tokenizer.train
+    trained_by: list[int] = []
+
+    def train(*a, **k):
+        trained_by.append(current_rank["r"])
+        return real_train(*a, **k)
+
+    current_rank = {"r": 1}
+    monkeypatch.setattr(tokenizer.Tokenizer, "train", train)
+    rank1 = TranslationDataModule(cfg, seed=1)
+    rank1.trainer = _fake_trainer(1)
+    with pytest.raises(DataError, match=r"no valid tokenizer .*only rank 0 builds it"):
+        rank1.setup("fit")  # nothing built yet: an error, not a second build
+    assert trained_by == [] and not (tmp_path / "cache").exists()
+    current_rank["r"] = 0
+    rank0 = TranslationDataModule(cfg, seed=1)
+    rank0.trainer = _fake_trainer(0)
+    rank0.prepare_data()
+    rank0.setup("fit")
+    current_rank["r"] = 1
+    rank1.setup("fit")
+    assert trained_by == [0]
+    assert rank1.cache_dir == rank0.cache_dir and rank1.vocab_size == rank0.vocab_size
+    b0, b1 = next(iter(rank0.train_dataloader())), next(iter(rank1.train_dataloader()))
+    assert not set(b0["ids"].tolist()) & set(b1["ids"].tolist())  # each rank its own shard
+
+
+def test_prepare_data_called_in_every_process_builds_on_rank_0_only(data_tsv, tmp_path, monkeypatch):
+    """Ranks started together (srun, torchrun) all call prepare_data: rank 1 (from its environment) waits for
+    rank 0's caches instead of training a tokenizer of its own, and gives up with a clear error."""
+    import threading
+
+    cfg = DataConfig(corpus=str(data_tsv), data_dir=str(tmp_path / "cache"), vocab_size=400)
+    real_train = tokenizer.Tokenizer.train
+    trained_on: list[str] = []
+
+    def train(*a, **k):
+        trained_on.append(threading.current_thread().name)
+        return real_train(*a, **k)
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "train", train)
+    monkeypatch.setenv("RANK", "1")
+    alone = TranslationDataModule(cfg)
+    alone.wait_s, alone.poll_s = 0.3, 0.1
+    with pytest.raises(DataError, match="only rank 0 builds it"):
+        alone.prepare_data()
+    assert trained_on == [] and not (tmp_path / "cache").exists()
+
+    rank0 = TranslationDataModule(cfg)
+    rank0.is_builder = lambda: True  # the RANK=0 process
+    builder = threading.Thread(target=lambda: (time.sleep(0.3), rank0.prepare_data()), name="rank0")
+    rank1 = TranslationDataModule(cfg)
+    rank1.wait_s, rank1.poll_s = 120.0, 0.1
+    builder.start()
+    rank1.prepare_data()  # waits for rank 0, then loads
+    builder.join()
+    assert trained_on == ["rank0"] and rank1.cache_dir == rank0.cache_dir
+    assert rank1.tokenizer.encode("the red house") == rank0.tokenizer.encode("the red house")

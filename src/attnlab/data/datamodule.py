@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -82,8 +83,29 @@ def _train_texts(corpus: Corpus, cfg: DataConfig, side: str) -> Iterator[str]:
             return
 
 
-def build_tokenizer(cfg: DataConfig, corpus: Corpus) -> tuple[Tokenizer, str]:
-    """Load the tokenizer for (corpus, settings) from the cache, training and caching it when absent."""
+class NotBuiltError(DataError):
+    """A tokenizer or token cache is missing and this process (not rank 0) may not build it."""
+
+
+def _not_built(what: str, where: Path) -> NotBuiltError:
+    return NotBuiltError(f"no valid {what} at {where} for these settings, and this process may not build it: "
+                         f"under DDP only rank 0 builds it (prepare_data). Is data.data_dir on a filesystem that "
+                         f"every rank (every node) sees?")
+
+
+def env_rank() -> int:
+    """The global rank the launcher gave this process (torchrun / Lightning: RANK, LOCAL_RANK; SLURM: SLURM_PROCID;
+    read in Lightning's order), before any process group exists; 0 when none is set."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def build_tokenizer(cfg: DataConfig, corpus: Corpus, build: bool = True) -> tuple[Tokenizer, str]:
+    """Load the tokenizer for (corpus, settings) from the cache, training and caching it when absent
+    (when `build`; else a missing tokenizer is a DataError)."""
     check_vocab_size(cfg.vocab_size)
     settings = {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity,
                 **cfg.settings(TOKENIZER_KEYS)}
@@ -92,6 +114,8 @@ def build_tokenizer(cfg: DataConfig, corpus: Corpus) -> tuple[Tokenizer, str]:
     key = settings_hash(settings)
     final = Path(cfg.data_dir) / "tokenizers" / f"{_slug(cfg.corpus)}-{key}"
     if not cache_is_valid(final, settings):
+        if not build:
+            raise _not_built("tokenizer", final)
         t0 = time.perf_counter()
         with atomic_dir(final) as tmp:
             if corpus.kind == "documents":
@@ -126,7 +150,8 @@ def _check_splits(counts: dict[str, Counter], corpus: Corpus, key: str) -> None:
                             f"raise data.valid_fraction / data.test_fraction")
 
 
-def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str) -> Path:
+def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str, build: bool = True
+                            ) -> Path:
     """Encode every split into memory-mapped arrays. Training pairs that are too long or too unbalanced are
     dropped (Moses clean-corpus-n, on token counts); eval pairs are kept whole (BLEU needs the full test set)
     and only their token ids are cut to max_len. Pairs with an empty side are dropped everywhere."""
@@ -134,6 +159,8 @@ def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok
     final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-{settings_hash(settings)}"
     if cache_is_valid(final, settings):
         return final
+    if not build:
+        raise _not_built("token cache", final)
     t0 = time.perf_counter()
     dtype = token_dtype(max(tok.vocab_size, tok.src_vocab_size))
     counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
@@ -189,12 +216,14 @@ def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok
     return final
 
 
-def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str) -> Path:
+def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str, build: bool = True) -> Path:
     """Encode documents into one stream per split, each document followed by EOS."""
     settings = _cache_settings(cfg, corpus, tok_key, TOKENIZER_KEYS)
     final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-lm-{settings_hash(settings)}"
     if cache_is_valid(final, settings):
         return final
+    if not build:
+        raise _not_built("token cache", final)
     t0 = time.perf_counter()
     counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
     with atomic_dir(final) as tmp:
@@ -225,6 +254,8 @@ def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str
 # ---------------------------------------------------------------------------------------------
 class _DataModule(L.LightningDataModule):
     pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+    wait_s = 3 * 3600.0  # how long a non-zero rank waits in prepare_data for rank 0's caches (BPE on WMT is slow)
+    poll_s = 2.0
 
     def __init__(self, cfg: DataConfig | None = None, seed: int = 1, **overrides: Any) -> None:
         super().__init__()
@@ -239,22 +270,54 @@ class _DataModule(L.LightningDataModule):
     def _open_corpus(self) -> Corpus:
         raise NotImplementedError
 
-    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str, build: bool) -> Path:
         raise NotImplementedError
 
-    def prepare_data(self) -> None:
-        """Train the tokenizer and build the caches (Lightning runs this on one process per node)."""
+    def _load(self, build: bool, wait_s: float = 0.0) -> None:
+        """Find (or, when `build`, make) the tokenizer and caches. A process that may not build waits up to
+        `wait_s` for the builder to publish them, then raises NotBuiltError."""
         check_vocab_size(self.cfg.vocab_size)
         corpus = self._open_corpus()
-        tok, key = build_tokenizer(self.cfg, corpus)
-        self.cache_dir = self._build_cache(corpus, tok, key)
+        deadline, announced = time.monotonic() + wait_s, False
+        while True:
+            try:
+                tok, key = build_tokenizer(self.cfg, corpus, build)
+                self.cache_dir = self._build_cache(corpus, tok, key, build)
+                break
+            except NotBuiltError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not announced:
+                    log.info("rank %d: waiting up to %.0fs for rank 0 to build the tokenizer and token cache",
+                             env_rank(), wait_s)
+                    announced = True
+                time.sleep(self.poll_s)
         self._tokenizer = tok
         self.manifest = read_manifest(self.cache_dir) or {}
 
+    def is_builder(self) -> bool:
+        """Whether this process trains the tokenizer and writes the caches: Lightning's prepare_data process
+        (local rank 0, or global rank 0 with prepare_data_per_node=False) once a Trainer is attached, else the
+        process whose launcher-given rank is 0 (a plain single process is)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return (trainer.local_rank if self.prepare_data_per_node else trainer.global_rank) == 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank() == 0
+        return env_rank() == 0
+
+    def prepare_data(self) -> None:
+        """Train the tokenizer and build the caches: the only place they are built. Lightning calls it on
+        one process (per node) before the others start. Called by hand in every process of a job whose ranks
+        start together (srun, torchrun), only rank 0 builds; the others wait for its caches (`wait_s`)."""
+        builder = self.is_builder()
+        self._load(build=builder, wait_s=0.0 if builder else self.wait_s)
+
     def setup(self, stage: str | None = None) -> None:
-        """Load the tokenizer and open the caches (building them if `prepare_data` has not run here)."""
+        """Load the tokenizer and open the caches (after prepare_data). A process that is not the builder
+        never trains or writes: a cache missing here is a NotBuiltError, not a second build."""
         if self.cache_dir is None or self._tokenizer is None:
-            self.prepare_data()  # after Lightning's prepare_data barrier this only finds and loads the caches
+            self._load(build=self.is_builder())
 
     # -- what the model config needs -----------------------------------------------------------
     @property
@@ -305,8 +368,8 @@ class TranslationDataModule(_DataModule):
     def _open_corpus(self) -> Corpus:
         return open_parallel(self.cfg)
 
-    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
-        return build_translation_cache(self.cfg, corpus, tok, key)
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str, build: bool) -> Path:
+        return build_translation_cache(self.cfg, corpus, tok, key, build)
 
     def dataset(self, split: str) -> PairDataset:
         split = _split_name(split)
@@ -352,8 +415,8 @@ class LMDataModule(_DataModule):
     def _open_corpus(self) -> Corpus:
         return open_documents(self.cfg)
 
-    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str) -> Path:
-        return build_lm_cache(self.cfg, corpus, tok, key)
+    def _build_cache(self, corpus: Corpus, tok: Tokenizer, key: str, build: bool) -> Path:
+        return build_lm_cache(self.cfg, corpus, tok, key, build)
 
     @property
     def batch_size(self) -> int:
