@@ -168,6 +168,21 @@ def test_saved_dataset_missing_language_names_row(tmp_path):
         all_pairs(DataConfig(corpus=str(tmp_path / "x")))
 
 
+def test_saved_dataset_of_documents(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"document {i}\nwith two lines" for i in range(2500)]
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(tmp_path / "docs"))
+    cfg = DataConfig(corpus=str(tmp_path / "docs"), text_field="body")
+    got = docs_of(cfg)
+    assert sorted(d for v in got.values() for d in v) == sorted(texts) and got["valid"] and got["test"]
+    with pytest.raises(DataError, match=r"no column 'text' \(columns: \['body'\]\); set data\.text_field"):
+        docs_of(cfg.replace(text_field="text"))
+    bad = texts[:1500] + [None] + texts[1500:]  # a null past the first 1000-row batch: its row is named
+    datasets.Dataset.from_dict({"text": bad}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"row 1500: 'text' is NoneType, not a string"):
+        docs_of(DataConfig(corpus=str(tmp_path / "bad")))
+
+
 def test_hub_name_offline_fails_fast_with_advice(monkeypatch):
     pytest.importorskip("datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never touch the network from a test, online or not

@@ -354,11 +354,13 @@ def _iter_hf_pairs(ds: Any, where: str, src_lang: str, tgt_lang: str) -> Iterato
 def _iter_hf_docs(ds: Any, where: str, key: str) -> Iterator[str]:
     if key not in ds.column_names:
         raise DataError(f"{where}: no column {key!r} (columns: {ds.column_names}); set data.text_field")
+    row = 0
     for batch in ds.iter(batch_size=1000):
-        for i, text in enumerate(batch[key]):
+        for text in batch[key]:
             if not isinstance(text, str):
-                raise DataError(f"{where} row {i}: {key!r} is {type(text).__name__}, not a string")
+                raise DataError(f"{where} row {row}: {key!r} is {type(text).__name__}, not a string")
             yield text
+            row += 1
 
 
 # ---------------------------------------------------------------------------------------------
