@@ -85,6 +85,17 @@ def test_interrupted_build_is_not_trusted(data_tsv, tmp_path, monkeypatch):
     assert dm.manifest["stats"]["train"]["kept"] == len(dm.dataset("train")) > 0
 
 
+def test_bad_line_found_while_encoding_leaves_no_cache(tmp_path, data_pairs):
+    """The tokenizer reads only the first lines (tokenizer_max_lines), so the bad line is met while writing the
+    token arrays: the error names file:line and no half-written cache folder is left."""
+    p = tmp_path / "c.tsv"
+    p.write_bytes("".join(f"{s}\t{t}\n" for s, t in data_pairs[:2000]).encode() + b"caf\xe9\tx\n")
+    with pytest.raises(DataError, match=r"c\.tsv:2001: invalid UTF-8"):
+        make_dm(p, tmp_path, tokenizer_max_lines=500)
+    assert [d.name for d in (tmp_path / "cache").iterdir()] == ["tokenizers"]  # the tokenizer was complete
+    assert len(manifests(tmp_path)) == 0 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+
+
 @pytest.mark.parametrize("damage", ["no_manifest", "other_settings", "truncated_file"])
 def test_damaged_or_foreign_cache_is_rebuilt(data_tsv, tmp_path, damage):
     dm = make_dm(data_tsv, tmp_path)
