@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnlab.config import ModelConfig
 from attnlab.models import build_model
@@ -261,6 +262,26 @@ def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
         other = build_model(cfg.replace(attention_backend=backend)).eval()
         other.load_state_dict(model.state_dict())
         torch.testing.assert_close(model(ids), other(ids), atol=1e-5, rtol=1e-4)
+
+
+def test_sdpa_gqa_without_enable_gqa(monkeypatch):
+    """torch < 2.5 has no enable_gqa: the K/V heads are repeated before SDPA instead, with the same result."""
+    from attnlab.models import attention
+
+    cfg = tiny(arch="decoder_only", n_kv_heads=1, position="rope")
+    model = build_model(cfg).eval()
+    ids = tokens(2, 6)
+    with torch.no_grad():
+        want = model(ids)
+        monkeypatch.setattr(attention, "SDPA_GQA", False)
+        real = F.scaled_dot_product_attention
+
+        def old_sdpa(q, k, v, **kw):
+            assert "enable_gqa" not in kw and q.shape[1] == k.shape[1]
+            return real(q, k, v, **kw)
+
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", old_sdpa)
+        torch.testing.assert_close(model(ids), want, atol=1e-6, rtol=1e-5)
 
 
 def test_tied_embeddings_share_one_table():

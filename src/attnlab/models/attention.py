@@ -17,6 +17,9 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import apply_rope, make_norm
 
+# SDPA takes fewer K/V heads itself from torch 2.5 (enable_gqa); before that the heads are repeated here
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 @dataclass
 class Mask:
@@ -163,7 +166,13 @@ class Attention(nn.Module):
             return self._eager(q, k, v, mask, p)
         if self.backend == "flash_attn":
             return self._flash(q, k, v, mask, p)
-        gqa = {"enable_gqa": True} if self.n_kv != self.n_heads else {}
+        gqa = {}
+        if self.n_kv != self.n_heads:
+            if SDPA_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                rep = self.n_heads // self.n_kv
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, Tk, hd)
         attn_mask, is_causal = mask.bias, mask.causal
         Tq, Tk = q.shape[2], k.shape[2]
         if is_causal and (Tq != Tk or attn_mask is not None):  # SDPA's is_causal is top-left aligned
