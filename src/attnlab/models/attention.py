@@ -54,14 +54,86 @@ class KVCache:
     def __init__(self, n_layers: int) -> None:
         self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
-        self.pos = 0
+        self.pos: int | torch.Tensor = 0
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search: keep the surviving hypotheses)."""
-        for store in (self.self_kv, self.cross_kv):
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, torch.Tensor, Mask]:
+        """Add the new keys/values (B, Hkv, T, hd) of `layer`; return every key/value so far and the mask to use."""
+        past = self.self_kv[layer]
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)  # (B, Hkv, Tpast + T, hd)
+            v = torch.cat((past[1], v), dim=2)
+        self.self_kv[layer] = (k, v)
+        return k, v, mask
+
+    def reorder(self, index: torch.Tensor, self_only: bool = False) -> None:
+        """Select batch rows (beam search: keep the surviving hypotheses). `self_only` leaves the
+        cross-attention entries alone: right when every row of `index` is a beam of the same sentence, whose
+        cross-attention rows are equal copies."""
+        for store in (self.self_kv,) if self_only else (self.self_kv, self.cross_kv):
             for i, kv in enumerate(store):
                 if kv is not None:
                     store[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+
+
+class StaticKVCache(KVCache):
+    """Self-attention keys and values preallocated for `max_len` positions, written in place.
+
+    The growing KVCache copies its whole prefix at every step (torch.cat); this one writes only the new
+    keys. The buffers, (B, Hkv, max_len, hd) per layer, are allocated at the first write, in the dtype and on
+    the device of the keys. Cross-attention entries are kept as in KVCache. Two ways to hold the position:
+      `pos` an int (the default): a call writes its keys at [pos, pos + T) and attends over the first pos + T,
+        the same values in the same order as KVCache, so the same results.
+      `pos` a 0-d long tensor on the device (`device_position()`): a call writes at pos + arange(T) with
+        index_copy_ and attends over the whole buffer, hiding the slots after each query. No shape and no
+        Python number changes from one step to the next, so one decoding step can be captured in a CUDA
+        graph (or compiled once) and replayed. Not for masks with a bias (ALiBi) or for flash_attn.
+    """
+
+    def __init__(self, n_layers: int, max_len: int) -> None:
+        super().__init__(n_layers)
+        if max_len < 1:
+            raise ValueError(f"max_len={max_len} must be >= 1")
+        self.max_len = max_len
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+
+    def device_position(self, device: torch.device | str) -> None:
+        """Hold the position as a 0-d tensor on `device` from now on (see the class note)."""
+        if not isinstance(self.pos, torch.Tensor):
+            self.pos = torch.tensor(self.pos, dtype=torch.long, device=device)
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, torch.Tensor, Mask]:
+        B, Hkv, T, hd = k.shape
+        if self.keys[layer] is None:
+            self.keys[layer] = k.new_zeros(B, Hkv, self.max_len, hd)  # (B, Hkv, L, hd)
+            self.values[layer] = v.new_zeros(B, Hkv, self.max_len, hd)
+        keys, values = self.keys[layer], self.values[layer]
+        if not isinstance(self.pos, torch.Tensor):
+            end = self.pos + T
+            if end > self.max_len:
+                raise ValueError(f"the static KV cache holds {self.max_len} positions; position {end - 1} is past it")
+            keys[:, :, self.pos:end] = k
+            values[:, :, self.pos:end] = v
+            return keys[:, :, :end], values[:, :, :end], mask  # (B, Hkv, pos + T, hd) views
+        if mask.bias is not None:
+            raise ValueError("a StaticKVCache with a device-side position takes no mask bias (ALiBi, key padding)")
+        at = self.pos + torch.arange(T, device=k.device)  # (T,) positions of the new queries and keys
+        keys.index_copy_(2, at, k)
+        values.index_copy_(2, at, v)
+        allowed = torch.arange(self.max_len, device=k.device)[None, :] <= at[:, None]  # (T, L) causal and written
+        return keys, values, Mask(bias=allowed)
+
+    def reorder(self, index: torch.Tensor, self_only: bool = False) -> None:
+        super().reorder(index, self_only)  # cross-attention entries
+        n = self.max_len if isinstance(self.pos, torch.Tensor) else self.pos
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    buf[:, :, :n] = buf[:, :, :n].index_select(0, index)  # in place: the buffers keep their address
 
 
 def flash_attn_module(softcap: bool = False):
@@ -149,12 +221,8 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
             if rope is not None:  # rotate new queries and keys at their absolute positions
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H|Hkv, T, hd)
-            if cache is not None:
-                past = cache.self_kv[layer]
-                if past is not None:
-                    k = torch.cat((past[0], k), dim=2)  # (B, Hkv, Tpast + T, hd)
-                    v = torch.cat((past[1], v), dim=2)
-                cache.self_kv[layer] = (k, v)
+            if cache is not None:  # every key/value so far, (B, Hkv, Tk, hd); a static cache may replace the mask
+                k, v, mask = cache.append(layer, k, v, mask)
         y = self._attend(q, k, v, mask)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)  # (B, T, H*hd)
         return self.out_proj(y)  # (B, T, d)

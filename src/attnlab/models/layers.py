@@ -96,13 +96,14 @@ class AbsolutePositions(nn.Module):
         if self.kind == "learned":  # Gehring et al. 2017 (ConvS2S); Vaswani et al. 2017 Table 3 row (E)
             self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
 
-    def forward(self, start: int, length: int, device: torch.device) -> torch.Tensor:
-        if self.kind == "learned" and start + length > self.max_len:
+    def forward(self, start: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+        """Positions start .. start + length - 1; `start` may be a 0-d device tensor (a StaticKVCache's)."""
+        if self.kind == "learned" and isinstance(start, int) and start + length > self.max_len:
             raise ValueError(
                 f"sequence of {start + length} positions is longer than the learned position table "
                 f"(model.max_seq_len={self.max_len}); raise max_seq_len or truncate the input"
             )
-        pos = torch.arange(start, start + length, device=device)  # (T,)
+        pos = torch.arange(length, device=device) + start  # (T,)
         if self.kind == "learned":
             return self.table(pos)  # (T, d)
         return sinusoidal_positions(pos, self.dim)  # (T, d)

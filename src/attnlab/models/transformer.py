@@ -64,17 +64,17 @@ class Stack(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         T = ids.shape[1]
-        start = cache.pos if cache is not None else 0
+        start = cache.pos if cache is not None else 0  # an int, or a 0-d device tensor (StaticKVCache)
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
-        if self.positions is not None:
-            x = x + self.positions(start, T, ids.device)  # (B, T, d) + (T, d)
+        if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
+            x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
         x = self.drop(x)
         key_pad = ids.eq(self.cfg.pad_id) if not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
         rope = None
         if self.cfg.position == "rope":
-            pos = torch.arange(start, start + T, device=ids.device)  # (T,)
+            pos = torch.arange(T, device=ids.device) + start  # (T,)
             rope = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)  # (T, r) each
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, memory=memory, cross_mask=cross_mask, rope=rope, cache=cache, layer=i)  # (B, T, d)
