@@ -5,6 +5,10 @@ Conventions shared by the translation searches:
   counting non-pad tokens; capped at max_seq_len - 1 for learned positions. Outputs hold at most that
   many tokens; beam search then forces EOS (fairseq's convention), greedy just stops.
 - PAD is never generated (its log-prob is set to -inf after the softmax, so scores stay exact).
+- `min_len` keeps EOS from ending an output of fewer tokens (EOS excluded); min_len = max_len_b with
+  max_len_a = 0 decodes exactly max_len_b tokens per sentence ("EOS off", for fixed-length benchmarks).
+- `static_cache` preallocates the self-attention keys/values (StaticKVCache) instead of growing them; the
+  results are the same.
 - Outputs exclude BOS and EOS. The hypothesis length used by the length penalty counts the EOS.
 Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .models.attention import KVCache, StaticKVCache
 from .models.transformer import DecoderOnly
 
 PAD, BOS, EOS = 0, 1, 2
@@ -65,6 +70,10 @@ def max_lengths(model, src: torch.Tensor, max_len_a: float, max_len_b: float, pa
     return limit
 
 
+def _new_cache(model, static: bool, max_len: int) -> KVCache:
+    return StaticKVCache(model.cfg.n_dec_layers, max_len) if static else model.new_cache()
+
+
 def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
     row = row[: row.index(eos_id)] if eos_id in row else row
     return [t for t in row if t != pad_id]  # PAD is never generated: only the filler of finished rows
@@ -76,17 +85,18 @@ def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
 @_decoding
 def greedy_search(
     model, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50,
-    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD,
+    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD, min_len: int = 0, static_cache: bool = False,
 ) -> list[list[int]]:
     """Batched greedy decoding of src (B, S) with an EncoderDecoder -> B token lists without BOS/EOS.
 
-    A row stops at its EOS or its max length and then emits PAD; the batch stops when every row has."""
+    A row stops at its EOS or its max length and then emits PAD; the batch stops when every row has.
+    EOS cannot come before `min_len` output tokens."""
     B = src.shape[0]
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
     if B == 0:
         return []
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
-    cache = model.new_cache()
+    cache = _new_cache(model, static_cache, int(limit.max()) + 1)
     tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)  # (B,)
     out: list[torch.Tensor] = []
@@ -96,6 +106,8 @@ def greedy_search(
             break
         logits = model.decode(tok, memory, src_pad, cache)[:, -1].float()  # (B, V)
         logits[:, pad_id] = NEG_INF
+        if t < min_len:
+            logits[:, eos_id] = NEG_INF
         tok = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], pad_id)  # (B, 1)
         out.append(tok)
         done |= tok[:, 0].eq(eos_id)
@@ -107,7 +119,7 @@ def greedy_search(
 def beam_search(
     model, src: torch.Tensor, beam_size: int = 4, len_penalty: float = 0.6, penalty: str = "gnmt",
     max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1, early_stop: bool = True,
-    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD,
+    bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD, min_len: int = 0, static_cache: bool = False,
 ) -> list[list[tuple[list[int], float]]]:
     """Batched beam search of src (B, S) with an EncoderDecoder over the KV cache.
 
@@ -122,7 +134,8 @@ def beam_search(
       early_stop=False (GNMT / tensor2tensor bound): stop once no live beam can still beat the nbest-th
         finished score. With alpha >= 0 and log-probs <= 0, a live beam's best reachable score is its
         log-prob / lp(max length + 1), so the bound is exact.
-    At the max length every live beam is force-finished with EOS.
+    At the max length every live beam is force-finished with EOS; before `min_len` tokens (and the max length)
+    EOS is not a candidate.
     Finished sentences are not removed from the batch (simpler; they cost compute until all finish).
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
@@ -138,7 +151,7 @@ def beam_search(
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, d): rows b*K .. b*K+K-1 are sentence b
     src_pad = src_pad.repeat_interleave(K, dim=0)  # (B*K, S)
-    cache = model.new_cache()
+    cache = _new_cache(model, static_cache, int(limit.max()) + 1)
     seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (B*K, t+1)
     scores = torch.full((B, K), NEG_INF, device=dev)  # (B, K) log-prob of each live beam
     scores[:, 0] = 0.0  # first step expands only beam 0, so the K beams start distinct
@@ -155,6 +168,8 @@ def beam_search(
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (B,) at max length only EOS may follow
         eos_lp = lprobs[..., eos_id].clone()  # (B, K)
+        if t < min_len:  # too short to end, unless at the max length
+            eos_lp.masked_fill_(~forced[:, None], NEG_INF)
         lprobs.masked_fill_(forced[:, None, None], NEG_INF)
         lprobs[..., eos_id] = eos_lp
         cand = scores[:, :, None] + lprobs  # (B, K, V); -inf + finite stays -inf, never NaN
@@ -190,7 +205,7 @@ def beam_search(
             break
         index = (base + beam).view(-1)  # (B*K,) parent row of each new beam
         seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (B*K, t+2)
-        cache.reorder(index)
+        cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention rows
     return [[(hyp, score) for score, hyp in f[:nbest]] or [([], NEG_INF)] for f in finished]
 
 
@@ -220,26 +235,48 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]  # (B,)
 
 
+CACHES = ("dynamic", "static", "graph")
+
+
 @_decoding
 def generate(
     model, prompt: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-    eos_id: int | None = None, generator: torch.Generator | None = None,
+    eos_id: int | None = None, generator: torch.Generator | None = None, min_new_tokens: int = 0,
+    cache: str = "dynamic", compile_step: bool = False,
 ) -> list[list[int]]:
     """Continue prompts with a DecoderOnly model -> per prompt, its tokens followed by the new ones.
 
     `prompt` is a (B, T) tensor (one batch) or a list of prompts of any lengths. The causal decoder has no
     key padding, so left-padded prompts would attend to their pads: prompts are grouped by length and each
     group is one batch (prefill once, then one token per step over the KV cache). With `eos_id`, a row
-    stops after its EOS (kept in the output); the others continue. Rows draw from one shared `generator`,
-    group by group in order of first appearance, so a seeded generator reproduces the output."""
+    stops after its EOS (kept in the output); the others continue. EOS is not drawn before `min_new_tokens`
+    new tokens. Rows draw from one shared `generator`, group by group in order of first appearance, so a
+    seeded generator reproduces the output.
+
+    `cache` (the results are the same for each):
+      dynamic  KVCache, grown by concatenation at every step.
+      static   StaticKVCache: keys written in place into buffers sized prompt + max_new_tokens.
+      graph    StaticKVCache with its position on the device: every step after the prefill has the same
+               shapes and reads no Python number, so on CUDA it is captured once as a CUDA graph and
+               replayed for each token (one launch instead of one per kernel); on a CPU the same step runs
+               eagerly. `compile_step` also compiles that step with torch.compile (fullgraph)."""
     if not isinstance(model, DecoderOnly):
         raise TypeError(f"generate needs a DecoderOnly model (model.arch=decoder_only), got {type(model).__name__}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0 or min_new_tokens < 0:
         raise ValueError(
-            f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and max_new_tokens >= 0; got temperature="
-            f"{temperature}, top_k={top_k}, top_p={top_p}, max_new_tokens={max_new_tokens}"
+            f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 0 and min_new_tokens >= 0; got "
+            f"temperature={temperature}, top_k={top_k}, top_p={top_p}, max_new_tokens={max_new_tokens}, "
+            f"min_new_tokens={min_new_tokens}"
         )
+    if cache not in CACHES:
+        raise ValueError(f"cache={cache!r} is not one of: {', '.join(CACHES)}")
+    if compile_step and cache != "graph":
+        raise ValueError("compile_step=True compiles the fixed-shape step of cache='graph'")
+    if cache == "graph" and model.cfg.position == "alibi":
+        raise ValueError("cache='graph' does not support model.position=alibi (its bias is built per length)")
+    if cache == "graph" and model.cfg.attention_backend == "flash_attn":
+        raise ValueError("cache='graph' attends through a mask: use model.attention_backend=sdpa or eager")
     device = next(model.parameters()).device
     if isinstance(prompt, torch.Tensor):
         ids = prompt[None] if prompt.dim() == 1 else prompt  # (B, T): one batch
@@ -251,11 +288,12 @@ def generate(
             by_len.setdefault(len(r), []).append(i)
         batches = [(idx, torch.stack([rows[i] for i in idx])) for idx in by_len.values()]  # (G, T) each
     out: list[list[int]] = [[] for _ in range(sum(len(idx) for idx, _ in batches))]
+    sampling = (temperature, top_k, top_p, greedy, generator)
     for idx, ids in batches:
         if ids.shape[1] == 0:
             raise ValueError("generate needs prompts of at least one token (e.g. BOS)")
         ids = ids.to(device)
-        new = _generate_batch(model, ids, max_new_tokens, temperature, top_k, top_p, greedy, eos_id, generator)
+        new = _generate_batch(model, ids, max_new_tokens, sampling, eos_id, min_new_tokens, cache, compile_step)
         for i, p, n in zip(idx, ids.tolist(), new.tolist(), strict=True):
             if eos_id is not None and eos_id in n:
                 n = n[: n.index(eos_id) + 1]
@@ -263,27 +301,82 @@ def generate(
     return out
 
 
+class DecodeStep:
+    """One decoding step over a StaticKVCache with its position on the device: new tokens (G, 1) -> last
+    logits (G, V). Nothing in it changes shape, so on CUDA it is captured once as a CUDA graph and replayed
+    (the input is copied into a fixed tensor, the output is a fixed tensor overwritten by each replay).
+    The step calls the decoder stack directly: the model's id check reads the ids back to the host, which
+    a graph cannot capture, and generated ids come from the vocabulary anyway."""
+
+    def __init__(self, model: DecoderOnly, cache: StaticKVCache, batch: int, compile_step: bool = False) -> None:
+        device = next(model.parameters()).device
+        self.model, self.cache = model, cache
+        cache.device_position(device)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (G, 1) the graph's input
+        self.fn = torch.compile(self._forward, fullgraph=True, dynamic=False) if compile_step else self._forward
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if device.type == "cuda":
+            self._capture()
+
+    def _forward(self) -> torch.Tensor:
+        h = self.model.decoder(self.tok, cache=self.cache)  # (G, 1, d)
+        return self.model.logits(h)[:, -1]  # (G, V)
+
+    def _capture(self) -> None:
+        saved = self.cache.pos.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (and compile) off the default stream, as capture needs
+            for _ in range(3):
+                self.fn()  # writes the keys of the next position, which the first real step overwrites
+                self.cache.pos.copy_(saved)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.fn()  # (G, V)
+        self.cache.pos.copy_(saved)
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(tok)
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
 def _generate_batch(
-    model, ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
-    eos_id: int | None, generator: torch.Generator | None,
+    model, ids: torch.Tensor, max_new_tokens: int, sampling: tuple, eos_id: int | None, min_new_tokens: int,
+    cache_kind: str, compile_step: bool,
 ) -> torch.Tensor:
     """ids (G, T) of equal-length prompts -> new tokens (G, N), N <= max_new_tokens."""
-    G = ids.shape[0]
+    G, T = ids.shape
     if max_new_tokens == 0:
         return ids.new_zeros(G, 0)
-    cache = model.new_cache()
+    if cache_kind == "dynamic":
+        cache = model.new_cache()
+    else:
+        if model.cfg.position == "learned" and T + max_new_tokens - 1 > model.cfg.max_seq_len:
+            raise ValueError(
+                f"prompt {T} + {max_new_tokens} new tokens is longer than the learned position table "
+                f"(model.max_seq_len={model.cfg.max_seq_len})"
+            )
+        cache = StaticKVCache(model.cfg.n_dec_layers, T + max_new_tokens)
     logits = model(ids, cache=cache)[:, -1]  # (G, V) prefill: the whole prompt in one call
+    step = DecodeStep(model, cache, G, compile_step) if cache_kind == "graph" and max_new_tokens > 1 else None
     done = torch.zeros(G, dtype=torch.bool, device=ids.device)  # (G,)
     steps: list[torch.Tensor] = []
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)  # (G,)
+    for i in range(max_new_tokens):
+        if eos_id is not None and i < min_new_tokens:
+            logits = logits.float().index_fill(-1, torch.tensor([eos_id], device=ids.device), NEG_INF)  # (G, V)
+        nxt = sample_next(logits, *sampling)  # (G,)
         if eos_id is not None:
             nxt = nxt.masked_fill(done, eos_id)  # finished rows idle on EOS (cut off by the caller)
             done |= nxt.eq(eos_id)
         steps.append(nxt)
-        if done.all() or step == max_new_tokens - 1:
+        if i == max_new_tokens - 1 or (eos_id is not None and done.all()):  # no host sync without EOS
             break
-        logits = model(nxt[:, None], cache=cache)[:, -1]  # (G, V)
+        logits = step(nxt[:, None]) if step is not None else model(nxt[:, None], cache=cache)[:, -1]  # (G, V)
     return torch.stack(steps, 1)  # (G, N)
 
 

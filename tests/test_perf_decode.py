@@ -1,0 +1,206 @@
+"""Fast decoding paths against the plain ones: the static KV cache (int and device-side position), the
+fixed-shape graph step (run eagerly on a CPU, traced by torch.compile), and "EOS off" (min_len, min_new_tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.config import ModelConfig
+from attnlab.decode import beam_search, generate, greedy_search
+from attnlab.models.attention import KVCache, Mask, StaticKVCache
+from attnlab.models.transformer import build_model
+
+PAD, BOS, EOS = 0, 1, 2
+V = 50
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def lm(seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    base = dict(arch="decoder_only", vocab_size=V, d_model=32, n_heads=4, n_kv_heads=2, n_dec_layers=2,
+                norm="rmsnorm", norm_position="pre", ffn="swiglu", position="rope", dropout=0.0, max_seq_len=64)
+    return build_model(ModelConfig(**{**base, **kw})).eval()
+
+
+def seq2seq(seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=V, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2, dropout=0.0)
+    return build_model(ModelConfig(**{**base, **kw})).eval()
+
+
+def eos_bias(model: nn.Module, value: float) -> nn.Module:
+    """Add `value` to the EOS logit of every decoder step."""
+    decode = model.decode
+
+    def biased(*args, **kwargs):
+        logits = decode(*args, **kwargs)  # (B, T, V)
+        logits[..., EOS] += value
+        return logits
+
+    model.decode = biased
+    return model
+
+
+def stepwise_logits(model, ids: torch.Tensor, cache, chunks: list[int], device_pos_from: int | None = None):
+    """Logits of ids fed to the decoder in `chunks` (lengths), the cache switched to a device-side position
+    before chunk number `device_pos_from`."""
+    out, at = [], 0
+    for i, n in enumerate(chunks):
+        if device_pos_from is not None and i == device_pos_from:
+            cache.device_position(ids.device)
+        out.append(model.logits(model.decoder(ids[:, at:at + n], cache=cache)))  # (B, n, V)
+        at += n
+    return torch.cat(out, 1)  # (B, T, V)
+
+
+@pytest.mark.parametrize("position", ["rope", "sinusoidal", "learned", "none"])
+def test_static_cache_gives_the_logits_of_the_growing_cache_and_of_no_cache(position):
+    model = lm(position=position)
+    ids = torch.randint(3, V, (3, 14))
+    chunks = [5, 1, 1, 3, 1, 1, 1, 1]  # a prefill, single tokens, a chunk of three in the middle
+    with torch.no_grad():
+        full = model(ids)  # (B, T, V)
+        growing = stepwise_logits(model, ids, KVCache(2), chunks)
+        static = stepwise_logits(model, ids, StaticKVCache(2, 20), chunks)
+        device = stepwise_logits(model, ids, StaticKVCache(2, 20), chunks, device_pos_from=1)
+    torch.testing.assert_close(growing, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(static, growing, rtol=0, atol=0)  # the same keys in the same order: bitwise
+    torch.testing.assert_close(device, growing, rtol=1e-5, atol=1e-5)  # the whole buffer, later slots masked
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generate_gives_the_same_tokens_with_every_cache(position, greedy):
+    model = lm(seed=1, position=position)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]  # two lengths: two groups
+    runs = []
+    for cache in ("dynamic", "static", "graph"):
+        g = torch.Generator().manual_seed(3)
+        runs.append(generate(model, prompts, 12, greedy=greedy, temperature=0.8, top_k=20, generator=g, cache=cache))
+    assert runs[0] == runs[1] == runs[2]
+    assert [len(r) for r in runs[0]] == [16, 14, 16]
+
+
+def test_the_compiled_graph_step_traces_as_one_graph_and_gives_the_same_tokens(monkeypatch):
+    """compile_step=True with fullgraph: a graph break fails here. The eager backend keeps this test cheap on a
+    CPU (no code generation); on CUDA tests/test_gpu.py runs the default backend under a CUDA graph."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    model = lm(seed=2)
+    prompt = torch.randint(3, V, (2, 6))
+    want = generate(model, prompt, 8, greedy=True)
+    assert generate(model, prompt, 8, greedy=True, cache="graph", compile_step=True) == want
+    torch._dynamo.reset()
+
+
+def test_translation_with_a_static_cache_equals_the_growing_cache():
+    model = seq2seq(tie_embeddings="none")
+    src = torch.randint(3, V, (5, 8))
+    src[1, 4:] = PAD
+    src[3, 2:] = PAD
+    assert greedy_search(model, src, static_cache=True) == greedy_search(model, src)
+    a = beam_search(model, src, beam_size=3, nbest=2, static_cache=True)
+    b = beam_search(model, src, beam_size=3, nbest=2)
+    assert [[h for h, _ in s] for s in a] == [[h for h, _ in s] for s in b]
+    for sa, sb in zip(a, b, strict=True):
+        assert [s for _, s in sa] == pytest.approx([s for _, s in sb], rel=1e-6)
+
+
+def test_static_cache_reorder_selects_rows_like_the_growing_cache():
+    model = lm(seed=4)
+    ids = torch.randint(3, V, (4, 6))
+    index = torch.tensor([2, 2, 0, 3])
+    with torch.no_grad():
+        out = []
+        for cache in (KVCache(2), StaticKVCache(2, 10)):
+            model.decoder(ids, cache=cache)
+            cache.reorder(index)
+            out.append(model.logits(model.decoder(ids[:, :2], cache=cache)))  # (B, 2, V)
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+
+
+def test_static_cache_limits_are_clear_errors():
+    model = lm()
+    cache = StaticKVCache(2, 5)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 5 positions; position 5"):
+        model.decoder(torch.randint(3, V, (1, 6)), cache=cache)
+    with pytest.raises(ValueError, match="max_len=0"):
+        StaticKVCache(2, 0)
+    device_cache = StaticKVCache(1, 4)
+    device_cache.device_position("cpu")
+    k = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="no mask bias"):
+        device_cache.append(0, k, k, Mask(bias=torch.ones(1, 4, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="cache='bogus' is not one of"):
+        generate(model, [[3]], 2, cache="bogus")
+    with pytest.raises(ValueError, match="compile_step"):
+        generate(model, [[3]], 2, compile_step=True)
+    with pytest.raises(ValueError, match="alibi"):
+        generate(lm(position="alibi"), [[3]], 2, cache="graph")
+    with pytest.raises(ValueError, match="learned position table"):
+        generate(lm(position="learned", max_seq_len=8), [[3, 4, 5]], 7, cache="static")
+
+
+# ------------------------------------------------------------------------------------------ EOS off
+def test_min_len_holds_eos_back_in_greedy_and_beam_search():
+    model = eos_bias(seq2seq(seed=5), 30.0)  # EOS would win every step
+    src = torch.randint(3, V, (3, 6))
+    assert greedy_search(model, src) == [[], [], []]
+    assert all(h[0][0] == [] for h in beam_search(model, src))
+    fixed = greedy_search(model, src, max_len_a=0, max_len_b=7, min_len=7)
+    assert [len(r) for r in fixed] == [7, 7, 7]
+    longer = greedy_search(model, src, max_len_a=0, max_len_b=20, min_len=4)
+    assert [len(r) for r in longer] == [4, 4, 4]  # EOS as soon as it may come
+    beams = beam_search(model, src, max_len_a=0, max_len_b=7, min_len=7, nbest=2)
+    assert all(len(h) == 7 for s in beams for h, _ in s)
+    assert [s[0][0] for s in beam_search(model, src, beam_size=1, max_len_a=0, max_len_b=7, min_len=7)] == fixed
+    # min_len beyond the max length: the max length still ends every output (EOS forced)
+    assert all(len(s[0][0]) == 3 for s in beam_search(model, src, max_len_a=0, max_len_b=3, min_len=10))
+
+
+def test_min_len_tokens_are_those_of_the_model_without_eos():
+    src = torch.randint(3, V, (4, 7))
+    want = greedy_search(eos_bias(seq2seq(seed=6), float("-inf")), src, max_len_a=0, max_len_b=6)
+    got = greedy_search(eos_bias(seq2seq(seed=6), 30.0), src, max_len_a=0, max_len_b=6, min_len=6)
+    assert got == want and all(len(r) == 6 for r in got)
+
+
+def test_min_new_tokens_holds_eos_back_in_generate(monkeypatch):
+    model = lm(seed=7)
+    forward = model.forward
+
+    def eos_first(*args, **kwargs):
+        logits = forward(*args, **kwargs)  # (B, T, V)
+        logits[..., EOS] += 30.0
+        return logits
+
+    monkeypatch.setattr(model, "forward", eos_first)
+    prompt = [[3, 4, 5]]
+    assert generate(model, prompt, 10, greedy=True, eos_id=EOS) == [[3, 4, 5, EOS]]
+    out = generate(model, prompt, 10, greedy=True, eos_id=EOS, min_new_tokens=4)[0]
+    assert len(out) == 3 + 5 and out[-1] == EOS and EOS not in out[3:-1]
+    with pytest.raises(ValueError, match="min_new_tokens=-1"):
+        generate(model, prompt, 10, min_new_tokens=-1)
+
+
+def test_bf16_weights_decode_with_absolute_positions():
+    """Sinusoidal positions are computed in fp32; a bf16 model adds them in bf16 rather than failing."""
+    model = seq2seq(seed=8)
+    src = torch.randint(3, V, (2, 6))
+    tgt = torch.randint(3, V, (2, 5))
+    with torch.no_grad():
+        want = model(src, tgt)
+        got = model.to(torch.bfloat16)(src, tgt)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+    assert len(greedy_search(model, src, max_len_a=0, max_len_b=4, min_len=4)[0]) == 4
