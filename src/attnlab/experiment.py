@@ -49,6 +49,7 @@ class TrainConfig(StrictConfig):
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | fsdp
     compile: bool = False  # torch.compile each block
+    loss_chunk: int = 0  # > 0: training loss without the batch's logits, this many tokens at a time; 0 = plain
     seed: int = 1
     runs_dir: str = "runs"
     run_name: str = ""  # "" = <recipe name>-<config hash>
@@ -65,6 +66,10 @@ class TrainConfig(StrictConfig):
             raise ConfigError(f"trainer.devices={self.devices} must be >= 1, or -1 for all")
         if self.max_time_min < 0 or self.limit_val_batches < 0:
             raise ConfigError("trainer.max_time_min and trainer.limit_val_batches must be >= 0")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"trainer.loss_chunk={self.loss_chunk} must be >= 0 (0 = the plain loss)")
+        if self.loss_chunk and self.strategy == "fsdp":  # it reads the output weight outside the sharded forward
+            raise ConfigError("trainer.loss_chunk is not supported with trainer.strategy=fsdp")
 
 
 SECTIONS: dict[str, type[StrictConfig]] = {
@@ -98,7 +103,7 @@ class Experiment:
     def config_hash(self) -> str:
         """Identity of what is trained: everything but where and how it is logged."""
         d = self.to_dict()
-        for k in ("runs_dir", "run_name", "progress_bar", "log_every"):
+        for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk"):  # loss_chunk: same loss
             d["trainer"].pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 

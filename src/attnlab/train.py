@@ -258,7 +258,8 @@ def resolve_model(exp: Experiment, dm) -> Experiment:
 
 
 def make_module(exp: Experiment, dm=None):
-    kw = {"model": exp.model.to_dict(), "optim": exp.optim.to_dict(), "compile": exp.trainer.compile}
+    kw = {"model": exp.model.to_dict(), "optim": exp.optim.to_dict(), "compile": exp.trainer.compile,
+          "loss_chunk": exp.trainer.loss_chunk}
     if exp.task == "translation":
         module = Seq2SeqModule(decode=exp.decode.to_dict(), bos_id=getattr(dm, "bos_id", 1),
                                eos_id=getattr(dm, "eos_id", 2), **kw)

@@ -12,20 +12,21 @@ from torchmetrics.aggregation import SumMetric
 
 from ..config import ModelConfig, OptimConfig
 from ..models import build_model
-from .optim import make_optimizer, make_scheduler, token_loss
+from .optim import linear_cross_entropy, make_optimizer, make_scheduler, token_loss
 
 
 class BaseModule(L.LightningModule):
     """Builds the network from plain config dicts (kept in the checkpoint's hyper-parameters, so a checkpoint
     loads with weights-only unpickling and rebuilds the exact model)."""
 
-    def __init__(self, model: dict, optim: dict, compile: bool = False) -> None:
+    def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model_cfg = ModelConfig.from_dict(model)
         self.optim_cfg = OptimConfig.from_dict(optim)
         self.model = build_model(self.model_cfg)
         self._compile = compile
+        self.loss_chunk = loss_chunk  # > 0: training loss from hidden states, this many tokens at a time
         self._last_step_time: float | None = None
         self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
@@ -45,6 +46,17 @@ class BaseModule(L.LightningModule):
         cfg = self.model_cfg
         smoothing = self.optim_cfg.label_smoothing if self.training else 0.0
         return token_loss(logits, target, cfg.pad_id, smoothing, cfg.z_loss if self.training else 0.0)
+
+    def train_loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training loss of the model's output: logits (B, T, V), or with loss_chunk the final hidden states
+        (B, T, d), whose logits are never materialised for the whole batch (linear_cross_entropy)."""
+        if not self.loss_chunk:
+            return self.loss(out, target)
+        cfg, m = self.model_cfg, self.model
+        weight = m.head.weight if m.head is not None else m.output_embedding().weight  # (V, d)
+        smoothing = self.optim_cfg.label_smoothing if self.training else 0.0
+        return linear_cross_entropy(out, weight, target, cfg.pad_id, smoothing, cfg.z_loss if self.training else 0.0,
+                                    cfg.logit_softcap, self.loss_chunk)
 
     def log_eval_loss(self, stage: str) -> None:
         n = float(self.eval_tokens.compute())

@@ -10,14 +10,14 @@ from .base import BaseModule
 class LMModule(BaseModule):
     """Decoder-only language modelling: cross-entropy, perplexity."""
 
-    def __init__(self, model: dict, optim: dict, compile: bool = False) -> None:
-        super().__init__(model, optim, compile)
+    def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0) -> None:
+        super().__init__(model, optim, compile, loss_chunk)
         if self.model_cfg.arch != "decoder_only":
             raise ValueError(f"LMModule needs model.arch=decoder_only, got model.arch={self.model_cfg.arch}")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input"])  # (B, T, V)
-        loss_sum, nll_sum, n = self.loss(logits, batch["target"])
+        out = self.model(batch["input"], return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
+        loss_sum, nll_sum, n = self.train_loss(out, batch["target"])
         loss = loss_sum / n.clamp_min(1)
         self.log_train_step(loss, nll_sum, n)
         return loss

@@ -27,8 +27,8 @@ class Seq2SeqModule(BaseModule):
     """Encoder-decoder translation. Batches: src (B, S), tgt_in (B, T) = BOS + y, tgt_out (B, T) = y + EOS."""
 
     def __init__(self, model: dict, optim: dict, decode: dict | None = None, compile: bool = False,
-                 bos_id: int = 1, eos_id: int = 2) -> None:
-        super().__init__(model, optim, compile)
+                 bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0) -> None:
+        super().__init__(model, optim, compile, loss_chunk)
         if self.model_cfg.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqModule needs model.arch=encoder_decoder, got model.arch={self.model_cfg.arch}")
         self.decode_cfg = DecodeConfig.from_dict(decode or {})
@@ -47,8 +47,8 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
-        loss_sum, nll_sum, n = self.loss(logits, batch["tgt_out"])
+        out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
+        loss_sum, nll_sum, n = self.train_loss(out, batch["tgt_out"])
         loss = loss_sum / n.clamp_min(1)
         self.log_train_step(loss, nll_sum, n)
         return loss
