@@ -99,7 +99,8 @@ def test_training_step_with_loss_chunk_equals_the_plain_step(module, arch, kw, m
                  "tgt_out": torch.randint(3, 60, (4, 7), generator=g)}
         batch["tgt_out"][1, 4:] = PAD
     else:
-        batch = {"input": torch.randint(3, 60, (3, 11), generator=g), "target": torch.randint(3, 60, (3, 11), generator=g)}
+        batch = {"input": torch.randint(3, 60, (3, 11), generator=g),
+                 "target": torch.randint(3, 60, (3, 11), generator=g)}
     optim = {"label_smoothing": 0.1}
     results = []
     for chunk in (0, 5):
