@@ -93,10 +93,13 @@ def test_oversized_eval_pair_gets_its_own_batch():
     assert [2] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("sampler_for", [
-    lambda r, w: TokenBatchSampler(*random_lengths(997), 1000, seed=5, rank=r, world_size=w),
-    lambda r, w: WindowBatchSampler(997, 8, seed=5, rank=r, world_size=w),
-])
+SAMPLERS = [
+    lambda r, w, shuffle=True: TokenBatchSampler(*random_lengths(997), 1000, shuffle, seed=5, rank=r, world_size=w),
+    lambda r, w, shuffle=True: WindowBatchSampler(997, 8, shuffle, seed=5, rank=r, world_size=w),
+]
+
+
+@pytest.mark.parametrize("sampler_for", SAMPLERS)
 def test_ranks_get_different_batches_and_the_same_count(sampler_for):
     world = 3
     per_rank = [list(sampler_for(r, world)) for r in range(world)]
@@ -108,6 +111,16 @@ def test_ranks_get_different_batches_and_the_same_count(sampler_for):
     assert len(seen) - 997 <= max(len(b) for b in single) * (world - 1)
     firsts = [tuple(batches[0]) for batches in per_rank]
     assert len(set(firsts)) == world
+
+
+@pytest.mark.parametrize("sampler_for", SAMPLERS)
+def test_eval_shards_count_every_pair_exactly_once(sampler_for):
+    """Validation under DDP sums loss and BLEU statistics over ranks: no batch may be repeated there."""
+    for world in (2, 3, 4):
+        per_rank = [list(sampler_for(r, world, shuffle=False)) for r in range(world)]
+        assert [len(b) for b in per_rank] == [len(sampler_for(r, world, shuffle=False)) for r in range(world)]
+        seen = sorted(i for batches in per_rank for b in batches for i in b)
+        assert seen == list(range(997))
 
 
 def test_lightning_finds_set_epoch():

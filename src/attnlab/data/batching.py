@@ -174,11 +174,15 @@ class TokenArray:
 # ---------------------------------------------------------------------------------------------
 # Batch samplers: sharded by rank, the same number of batches on every rank, reshuffled per epoch
 # ---------------------------------------------------------------------------------------------
-def shard(batches: list[Any], rank: int, world_size: int) -> list[Any]:
-    """Rank `rank`'s share: the list is padded by repeating its head to a multiple of world_size, so every
-    rank gets the same number of batches (DDP collectives would otherwise wait forever)."""
+def shard(batches: list[Any], rank: int, world_size: int, pad: bool = True) -> list[Any]:
+    """Rank `rank`'s share, round robin. Training (pad=True): the list is padded by repeating its head to a
+    multiple of world_size, so every rank takes the same number of optimizer steps (DDP's gradient all-reduce
+    would otherwise wait forever). Evaluation (pad=False): no repeats, so summed metrics count every sentence
+    once; ranks may hold one batch fewer, which evaluation tolerates (it syncs once, at the epoch's end)."""
     if world_size == 1 or not batches:
         return batches
+    if not pad:
+        return batches[rank::world_size]
     total = math.ceil(len(batches) / world_size) * world_size
     padded = batches + [batches[i % len(batches)] for i in range(total - len(batches))]
     return padded[rank::world_size]
@@ -216,11 +220,13 @@ class _ShardedBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, self.epoch = self.epoch, self.epoch + 1
-        for b in shard(self.batches(epoch), self.rank, self.world_size):
+        for b in shard(self.batches(epoch), self.rank, self.world_size, pad=self.shuffle):
             yield b.tolist()
 
     def __len__(self) -> int:
-        return math.ceil(self.n_batches / self.world_size)
+        if self.shuffle:
+            return math.ceil(self.n_batches / self.world_size)
+        return len(range(self.rank, self.n_batches, self.world_size))
 
 
 class TokenBatchSampler(_ShardedBatchSampler):
