@@ -48,7 +48,7 @@ class Env:
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="small sizes on the CPU (fp32): runs anywhere in seconds")
     p.add_argument("--size", choices=["full", "small"], help="default: full on CUDA, small on a CPU")
-    p.add_argument("--only", default="", help="comma-separated row names (or prefixes) to run; default all")
+    p.add_argument("--only", default="", help="rows to run, comma-separated: task/model, or prefixes ending in / or *")
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     p.add_argument("--threads", type=int, default=1, help="CPU threads on a CPU run (default 1)")
 
@@ -123,8 +123,9 @@ def need(module: str, hint: str) -> Any:
 
 
 def selected(name: str, only: str) -> bool:
+    """Is row `name` (task/model) among `only`: exact names, or prefixes ending in / or * (encdec/, lm/attnlab*)."""
     wanted = [w.strip() for w in only.split(",") if w.strip()]
-    return not wanted or any(name == w or name.startswith(w) for w in wanted)
+    return not wanted or any(name == w or (w[-1] in "/*" and name.startswith(w.rstrip("*"))) for w in wanted)
 
 
 def run_row(rows: list[dict], base: dict, fn: Callable[[], dict]) -> None:
