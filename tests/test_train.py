@@ -144,26 +144,30 @@ def test_first_step_loss_is_label_smoothed_ce_plus_z_loss_over_non_padding(tiny_
 
 
 def test_validation_bleu_and_chrf_are_sacrebleu_on_the_real_text(tiny_run, tmp_path):
-    """A stand-in decoder answers the reference for sentences with an even index and copies the source for the
-    others; the logged val/bleu and val/chrf are then sacreBLEU's BLEU and chrF of exactly those texts against the
-    raw references of the first decode.val_sentences sentences."""
+    """Validation decodes about decode.val_sentences sentences, every k-th of the split by index (k = ceil(n / 6)
+    here), spread over all lengths. A stand-in decoder answers the reference for every other one of those and
+    copies the source for the rest; the logged val/bleu and val/chrf are then sacreBLEU's BLEU and chrF of exactly
+    those texts against their raw references."""
     recipe, run_dir = tiny_run
     dm, exp = prepare(load_experiment(recipe, {"decode.val_sentences": 6}))
     module = load_module(run_dir / "checkpoints" / "last.ckpt", exp.decode)
     module.set_tokenizer(dm.tokenizer.decode_batch)
     ds = dm.dataset("valid")
     index = {tuple(ds[i][0].tolist()): i for i in range(len(ds))}  # sources are distinct: they end in a number
+    stride = -(-len(ds) // 6)
+    assert stride > 1  # a sample, not the whole split
 
     def stand_in(src, beam=None):
         rows = strip_special(src, module.eos_id, exp.model.pad_id)
-        return [ds[index[tuple(r)]][1].tolist() if index[tuple(r)] % 2 == 0 else r for r in rows]
+        return [ds[index[tuple(r)]][1].tolist() if (index[tuple(r)] // stride) % 2 == 0 else r for r in rows]
 
     module.translate_ids = stand_in
     trainer = make_trainer(exp, tmp_path, logger=False, callbacks=[], enable_progress_bar=False)
     logged = trainer.validate(module, datamodule=dm, verbose=False)[0]
     srcs, refs = dm.split_texts("valid")
-    ids = [i for b in dm.val_dataloader() for i in b["ids"].tolist()][:6]  # the sentences decoded, in order
-    hyps = [refs[i] if i % 2 == 0 else srcs[i] for i in ids]
+    ids = [i for b in dm.val_dataloader() for i in b["ids"].tolist() if i % stride == 0]  # decoded, in order
+    assert 4 <= len(ids) <= 6 and len({len(ds[i][0]) for i in ids}) > 1  # lengths spread, not just the shortest
+    hyps = [refs[i] if (i // stride) % 2 == 0 else srcs[i] for i in ids]
     bleu = sacrebleu.metrics.BLEU().corpus_score(hyps, [[refs[i] for i in ids]]).score
     chrf = sacrebleu.metrics.CHRF().corpus_score(hyps, [[refs[i] for i in ids]]).score
     assert 10.0 < bleu < 100.0 and 10.0 < chrf < 100.0

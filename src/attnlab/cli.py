@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -368,11 +369,30 @@ COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_
             "bleu": cmd_bleu}
 
 
+def quiet_third_party(verbose: bool) -> None:
+    """attnlab's own INFO lines; Lightning's banners (accelerator, tips) only with -v, and each line once.
+
+    Lightning adds its own handler when the root logger has none and still propagates to the root, so its
+    INFO lines printed twice; and two warnings it raises on every run say nothing actionable here: the
+    `srun is available but not used` hint on any machine with SLURM installed (a SLURM job runs under srun),
+    and a deprecation inside Lightning's own pytree helper."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("attnlab").setLevel(logging.INFO)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # their own handlers, if imported already
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+    if not verbose:  # Lightning resets its loggers' level when imported later: filter at the root handler
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda r: r.levelno >= logging.WARNING or not r.name.startswith("lightning"))
+    if not verbose:
+        warnings.filterwarnings("ignore", message=r".*`srun` command is available on your system but is not used")
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    logging.getLogger("attnlab").setLevel(logging.INFO)
+    quiet_third_party(args.verbose)
     try:
         overrides = parse_overrides(rest)
         if overrides and args.command not in ("fit", "validate", "test", "demo", "ablate"):

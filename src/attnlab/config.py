@@ -342,7 +342,7 @@ class DecodeConfig(StrictConfig):
     max_len_a: float = 1.0  # max output length = a * source length + b
     max_len_b: int = 50
     val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
-    val_sentences: int = 500  # sentences decoded for validation BLEU/chrF; 0 = none
+    val_sentences: int = 500  # about this many sentences, every k-th of the split, decoded for BLEU/chrF; 0 = none
     batch_sentences: int = 64  # sentences per decoding batch (test, translate)
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
 

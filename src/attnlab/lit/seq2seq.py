@@ -39,7 +39,7 @@ class Seq2SeqModule(BaseModule):
         # CHRFScore defaults to chrF++): hypotheses and references are gathered across ranks at the epoch end
         self._hyps: list[str] = []
         self._refs: list[str] = []
-        self._decoded = 0
+        self._decoded, self._stride = 0, 0
         self.examples: list[tuple[str, str]] = []
 
     def set_tokenizer(self, decode_batch: Callable[[list[list[int]]], list[str]]) -> None:
@@ -64,12 +64,20 @@ class Seq2SeqModule(BaseModule):
         _, nll_sum, n = self.loss(logits, batch["tgt_out"])
         self.eval_nll.update(nll_sum)
         self.eval_tokens.update(n)
-        budget = self.decode_cfg.val_sentences // max(1, self.trainer.world_size if self._trainer else 1)
-        if self.detokenize is None or self._decoded >= budget:
+        if self.detokenize is None or not self.decode_cfg.val_sentences:
             return
-        src = batch["src"][: budget - self._decoded]
+        if "ids" in batch and self._stride:
+            # every stride-th sentence of the split by dataset index: the same sample on every rank and at every
+            # validation, spread over all lengths (eval batches come sorted by length: a prefix is the shortest)
+            pick = batch["ids"].remainder(self._stride).eq(0)  # (B,)
+        else:
+            budget = self.decode_cfg.val_sentences // max(1, self.trainer.world_size if self._trainer else 1)
+            pick = torch.arange(len(batch["src"]), device=batch["src"].device) < budget - self._decoded  # (B,)
+        if not bool(pick.any()):
+            return
+        src = batch["src"][pick]  # (b, S)
         hyps = self.detokenize(self.translate_ids(src, beam))
-        refs = self.detokenize(strip_special(batch["tgt_out"][: len(src)], self.eos_id, self.model_cfg.pad_id))
+        refs = self.detokenize(strip_special(batch["tgt_out"][pick], self.eos_id, self.model_cfg.pad_id))
         self._hyps.extend(hyps)
         self._refs.extend(refs)
         self._decoded += len(src)
@@ -90,9 +98,16 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ epoch ends
     def on_validation_epoch_start(self) -> None:
-        self._decoded, self.examples, self._hyps, self._refs = 0, [], [], []
+        self._start_eval(self.trainer.val_dataloaders)
 
-    on_test_epoch_start = on_validation_epoch_start
+    def on_test_epoch_start(self) -> None:
+        self._start_eval(self.trainer.test_dataloaders)
+
+    def _start_eval(self, loader) -> None:
+        self._decoded, self.examples, self._hyps, self._refs = 0, [], [], []
+        n = len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else 0
+        k = self.decode_cfg.val_sentences
+        self._stride = -(-n // k) if n and k else 0  # ceil(n / k): about k sentences of the n decoded
 
     def on_validation_epoch_end(self) -> None:
         self._finish("val")
