@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
 
@@ -47,6 +48,17 @@ def write_mo(path: Path, entries: list[tuple[str, str]], charset: str = "UTF-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(head + body + blob)
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One intra-op thread for every in-process test: the models are tiny, and on CI's 2 shared cores several
+    threads thrash (a tiny training step measured 40x slower with 2 threads than with 1 on a loaded machine).
+    Subprocesses (the CLI, DDP, SLURM tests) keep torch's default."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -34,8 +34,6 @@ LM = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """A translation run trained through `attnlab fit` with dotted overrides, and a small LM run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("cli")
     recipe = write_recipe(root, trainer={"max_steps": 4, "ckpt_every": 2, "val_every": 100})
     assert main(["fit", "-c", str(recipe), "--model.norm", "rmsnorm", "--trainer.max_steps=6",
@@ -50,7 +48,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert main(["fit", "-c", str(lm_recipe)]) == 0
     yield {"root": root, "recipe": recipe, "mt": root / "runs" / "mt", "lm": root / "runs" / "lm",
            "lm_recipe": lm_recipe}
-    torch.set_num_threads(threads)
 
 
 def test_fit_overrides_reach_the_run_and_validate_test_report_scores(runs, capsys):

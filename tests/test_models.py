@@ -30,15 +30,6 @@ BACKENDS = ["sdpa", "eager", "flash_attn"]
 V = 37
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # A plain-PyTorch stand-in for the flash-attn package: its documented semantics (B, T, H, hd) layout, GQA by
 # fewer K/V heads, a bottom-right aligned causal mask, tanh soft-capping after scaling, varlen by cu_seqlens.

@@ -16,14 +16,6 @@ PAD, BOS, EOS = 0, 1, 2
 V = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def lm(seed: int = 0, **kw) -> nn.Module:
     torch.manual_seed(seed)
     base = dict(arch="decoder_only", vocab_size=V, d_model=32, n_heads=4, n_kv_heads=2, n_dec_layers=2,

@@ -16,14 +16,6 @@ from attnlab.train import make_module
 PAD = 0
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def plain(h, w, t, smoothing, z_loss, softcap):
     logits = h @ w.t()  # (N, V)
     if softcap:

@@ -80,19 +80,9 @@ def train_rows(metrics: dict[str, dict[int, list[float]]]) -> dict[str, dict[int
     return {k: v for k, v in metrics.items() if k.startswith("train/") and k != "train/tokens_per_s"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny and the CI cores are shared (several threads thrash)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     """(recipe, run directory) of an 8-step fit without dropout (so the first step's loss can be recomputed)."""
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tiny")
     recipe = write_recipe(root, model={"dropout": 0.0})
     return recipe, fit(load_experiment(recipe))

@@ -352,6 +352,18 @@ class _DataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=w,
                           pin_memory=torch.cuda.is_available(), persistent_workers=w > 0)
 
+    def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return self._split_loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._split_loader("valid", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._split_loader("test", False)
+
     def _array(self, name: str) -> TokenArray:
         self.setup()
         assert self.cache_dir is not None
@@ -383,15 +395,6 @@ class TranslationDataModule(_DataModule):
 
     def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
         return self._loader(self.dataset(split), self.sampler(split, shuffle), collate_pairs)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._split_loader("train", True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._split_loader("valid", False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._split_loader("test", False)
 
     def split_texts(self, split: str) -> tuple[list[str], list[str]]:
         """Raw (sources, references) of the valid or test split, in cache order, for BLEU on real text."""
@@ -437,14 +440,6 @@ class LMDataModule(_DataModule):
                                      world_size=world)
         return self._loader(ds, sampler, collate_windows)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._split_loader("train", True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._split_loader("valid", False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._split_loader("test", False)
 
 
 def _split_name(split: str) -> str:
