@@ -38,16 +38,6 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """A model config from a YAML file: a bare ModelConfig, or an experiment recipe (base: chain resolved)."""
-    data = load_yaml(Path(path))
-    if "model" in data or "base" in data:
-        from .experiment import load_raw
-
-        return ModelConfig.from_dict(load_raw(Path(path)).get("model", {}))
-    return ModelConfig.from_dict(data)
-
-
 # ---------------------------------------------------------------------------------------------- commands
 # Parameter counts published for shipped recipes, keyed by recipe name: (count, where, embedding-table rows the
 # publication's code allocated, what is known). Vaswani et al. count 65M (base) and 213M (big) with "a shared
@@ -102,7 +92,7 @@ def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list
         f"paper: {published / 1e6:.0f}M ({where}); this recipe: {total / 1e6:.2f}M ({(total - published) / 1e6:+.2f}M)",
         f"  if only the embedding table differs ({per_row:,} parameters a row), a count that rounds to "
         f"{published / 1e6:.0f}M needs {lo:,.0f}-{hi:,.0f} rows, against {cfg.vocab_size:,} here",
-        f"  known: {known}",
+        f"  reported: {known}",
         f"  with {rows:,} rows this recipe has {with_rows / 1e6:.2f}M: "
         + (f"it rounds to the paper's {published / 1e6:.0f}M, consistent with the layers agreeing and only the "
            f"table's size differing" if fits else
@@ -369,21 +359,24 @@ COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_
             "bleu": cmd_bleu}
 
 
-def quiet_third_party(verbose: bool) -> None:
+def quiet_third_party(verbose: bool, trains: bool) -> None:
     """attnlab's own INFO lines; Lightning's banners (accelerator, tips) only with -v, and each line once.
 
-    Lightning adds its own handler when the root logger has none and still propagates to the root, so its
-    INFO lines printed twice; and two warnings it raises on every run say nothing actionable here: the
-    `srun is available but not used` hint on any machine with SLURM installed (a SLURM job runs under srun),
-    and a deprecation inside Lightning's own pytree helper."""
+    Lightning adds its own INFO handler to the `lightning` logger when imported (and resets its level), so it
+    is imported here first, for the commands that train, and its handler removed: its lines then go through
+    the root handler, at WARNING unless -v. Two warnings it raises on every run say nothing actionable here:
+    `srun is available but not used` on any machine with SLURM installed (a SLURM job runs under srun), and a
+    deprecation inside Lightning's own pytree helper."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
     logging.getLogger("attnlab").setLevel(logging.INFO)
-    for name in ("lightning.pytorch", "lightning.fabric"):  # their own handlers, if imported already
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
-    if not verbose:  # Lightning resets its loggers' level when imported later: filter at the root handler
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(lambda r: r.levelno >= logging.WARNING or not r.name.startswith("lightning"))
+    if trains:
+        import lightning  # noqa: F401  (see the docstring)
+
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            lg = logging.getLogger(name)
+            lg.handlers.clear()
+            lg.propagate = True
+            lg.setLevel(logging.INFO if verbose else logging.WARNING)
     if not verbose:
         warnings.filterwarnings("ignore", message=r".*`srun` command is available on your system but is not used")
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -392,7 +385,7 @@ def quiet_third_party(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    quiet_third_party(args.verbose)
+    quiet_third_party(args.verbose, trains=args.command in ("fit", "validate", "test", "demo", "ablate"))
     try:
         overrides = parse_overrides(rest)
         if overrides and args.command not in ("fit", "validate", "test", "demo", "ablate"):
