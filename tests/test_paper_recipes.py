@@ -130,3 +130,25 @@ def test_info_prints_the_comparison_with_the_paper(capsys) -> None:
     assert closed_form(40960, 1024, 4096, 6) == 218_300_416
     assert main(["info", str(EXPERIMENTS / "demo_en_de.yaml")]) == 0
     assert "paper:" not in capsys.readouterr().out  # no published count for the demo
+
+
+# what experiments/demo_en_de.yaml may change of the base recipe: scale, and what its header says scale forces
+DEMO_MAY_DIFFER = {
+    "model.d_model", "model.n_heads", "model.n_enc_layers", "model.n_dec_layers", "model.d_ff", "model.dropout",
+    "data.corpus", "data.vocab_size", "data.tokenizer_max_lines", "data.max_tokens", "data.num_workers",
+    "optim.warmup_steps", "trainer.devices", "trainer.strategy", "trainer.max_time_min", "trainer.val_every",
+    "trainer.ckpt_every", "trainer.log_every", "decode.len_penalty", "decode.val_sentences",
+    "decode.batch_sentences",
+}
+
+
+def test_demo_is_the_base_recipe_scaled_down() -> None:
+    import dataclasses
+
+    base, demo = load_experiment(BASE), load_experiment(EXPERIMENTS / "demo_en_de.yaml")
+    differ = {f"{section}.{f.name}" for section in ("model", "data", "optim", "trainer", "decode")
+              for f in dataclasses.fields(getattr(base, section))
+              if getattr(getattr(base, section), f.name) != getattr(getattr(demo, section), f.name)}
+    assert differ <= DEMO_MAY_DIFFER, sorted(differ - DEMO_MAY_DIFFER)
+    assert {"model.d_model", "model.dropout", "optim.warmup_steps", "decode.len_penalty"} <= differ
+    assert demo.data.corpus == "gettext:de" and demo.trainer.max_time_min <= 10
