@@ -165,6 +165,26 @@ def test_validation_bleu_and_chrf_are_sacrebleu_on_the_real_text(tiny_run, tmp_p
     assert logged["val/chrf"] == pytest.approx(chrf, abs=1e-4)
 
 
+
+def test_validation_cut_short_by_limit_val_batches_decodes_the_first_sentences(tiny_run, tmp_path):
+    """With limit_val_batches the loop never sees most of the split, so every k-th sentence may be none of the
+    ones it sees: it decodes the first val_sentences of the batches that run instead, and still logs val/bleu."""
+    recipe, run_dir = tiny_run
+    dm, exp = prepare(load_experiment(recipe, {"decode.val_sentences": 3, "trainer.limit_val_batches": 1}))
+    module = load_module(run_dir / "checkpoints" / "last.ckpt", exp.decode)
+    module.set_tokenizer(dm.tokenizer.decode_batch)
+    seen: list[int] = []
+
+    def stand_in(src, beam=None):
+        seen.append(len(src))
+        return strip_special(src, module.eos_id, exp.model.pad_id)
+
+    module.translate_ids = stand_in
+    trainer = make_trainer(exp, tmp_path, logger=False, callbacks=[], enable_progress_bar=False)
+    logged = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    assert seen == [min(3, len(next(iter(dm.val_dataloader()))["src"]))]
+    assert "val/bleu" in logged and "val/chrf" in logged
+
 def test_run_directory_holds_config_git_tokenizer_checkpoints_and_logs(tiny_run):
     recipe, run_dir = tiny_run
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))

@@ -98,16 +98,24 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ epoch ends
     def on_validation_epoch_start(self) -> None:
-        self._start_eval(self.trainer.val_dataloaders)
+        t = self.trainer
+        self._start_eval(t.val_dataloaders, t.num_sanity_val_batches if t.sanity_checking else t.num_val_batches)
 
     def on_test_epoch_start(self) -> None:
-        self._start_eval(self.trainer.test_dataloaders)
+        self._start_eval(self.trainer.test_dataloaders, self.trainer.num_test_batches)
 
-    def _start_eval(self, loader) -> None:
+    def _start_eval(self, loader, batches: list[int | float] | int | float) -> None:
+        """Decode every k-th sentence of the split (about decode.val_sentences) when every batch runs; when
+        limit_val_batches / limit_test_batches cut the loop short, the first val_sentences of the batches that run."""
         self._decoded, self.examples, self._hyps, self._refs = 0, [], [], []
         n = len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else 0
+        runs = batches[0] if isinstance(batches, list) and batches else batches
+        try:
+            cut = isinstance(runs, int | float) and runs < len(loader)
+        except TypeError:  # a loader without a length
+            cut = True
         k = self.decode_cfg.val_sentences
-        self._stride = -(-n // k) if n and k else 0  # ceil(n / k): about k sentences of the n decoded
+        self._stride = -(-n // k) if n and k and not cut else 0  # ceil(n / k): about k sentences of the n decoded
 
     def on_validation_epoch_end(self) -> None:
         self._finish("val")
