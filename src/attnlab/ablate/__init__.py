@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     add_ablate_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    logging.getLogger("attnlab").setLevel(logging.INFO)
+    from ..cli import quiet_third_party  # here, not at the top: the CLI imports this package
+
+    quiet_third_party(args.verbose, trains=True)  # worker processes train: the CLI's logging, not Lightning's banners
     try:
         return cmd_ablate(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
