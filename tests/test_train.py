@@ -88,6 +88,30 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     return recipe, fit(load_experiment(recipe))
 
 
+
+def test_precision_auto_is_bf16_mixed_on_a_gpu_and_fp32_on_cpu(tiny_run, tmp_path, monkeypatch):
+    recipe, _ = tiny_run
+    exp = load_experiment(recipe)
+    assert make_trainer(exp, tmp_path / "cpu", logger=False).precision == "32-true"
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("attnlab.train.L.Trainer", lambda **kw: seen.update(kw))
+    make_trainer(exp, tmp_path / "gpu")
+    assert seen["precision"] == "bf16-mixed"
+    make_trainer(load_experiment(recipe, {"trainer.precision": "32-true"}), tmp_path / "forced")
+    assert seen["precision"] == "32-true"
+
+
+def test_bf16_mixed_training_runs_under_cpu_autocast(tmp_path):
+    """The bf16-mixed path (autocast, what a GPU run uses by default) end to end on the CPU: finite losses that
+    fall, and an fp32 checkpoint."""
+    recipe = write_recipe(tmp_path, model={"dropout": 0.0}, trainer={"precision": "bf16-mixed", "max_steps": 12})
+    run_dir = fit(load_experiment(recipe))
+    loss = [v[0] for _, v in sorted(read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"].items())]
+    assert len(loss) == 12 and all(math.isfinite(x) for x in loss) and loss[-1] < loss[0]
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values() if v.is_floating_point())
+
 # --------------------------------------------------------------------------------------------- logging, run dir
 def test_fit_logs_training_and_validation_metrics(tiny_run):
     recipe, run_dir = tiny_run
