@@ -153,16 +153,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`attnlab ablate ...` on its own (worker processes start this way; the attnlab CLI wires the same)."""
-    parser = argparse.ArgumentParser(prog="attnlab")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    add_ablate_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from ..cli import quiet_third_party  # here, not at the top: the CLI imports this package
+    """`attnlab ablate ...` (worker processes start this way): the attnlab CLI, with its logging and errors."""
+    from ..cli import main as cli_main  # here, not at the top: the CLI imports this package
 
-    quiet_third_party(args.verbose, trains=True)  # worker processes train: the CLI's logging, not Lightning's banners
-    try:
-        return cmd_ablate(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"attnlab ablate {args.ablate_command}: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(sys.argv[1:] if argv is None else argv)
