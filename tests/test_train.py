@@ -88,7 +88,6 @@ def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     return recipe, fit(load_experiment(recipe))
 
 
-
 def test_precision_auto_is_bf16_mixed_on_a_gpu_and_fp32_on_cpu(tiny_run, tmp_path, monkeypatch):
     recipe, _ = tiny_run
     exp = load_experiment(recipe)
@@ -111,6 +110,7 @@ def test_bf16_mixed_training_runs_under_cpu_autocast(tmp_path):
     assert len(loss) == 12 and all(math.isfinite(x) for x in loss) and loss[-1] < loss[0]
     ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values() if v.is_floating_point())
+
 
 # --------------------------------------------------------------------------------------------- logging, run dir
 def test_fit_logs_training_and_validation_metrics(tiny_run):
@@ -189,7 +189,6 @@ def test_validation_bleu_and_chrf_are_sacrebleu_on_the_real_text(tiny_run, tmp_p
     assert logged["val/chrf"] == pytest.approx(chrf, abs=1e-4)
 
 
-
 def test_validation_cut_short_by_limit_val_batches_decodes_the_first_sentences(tiny_run, tmp_path):
     """With limit_val_batches the loop never sees most of the split, so every k-th sentence may be none of the
     ones it sees: it decodes the first val_sentences of the batches that run instead, and still logs val/bleu."""
@@ -208,6 +207,7 @@ def test_validation_cut_short_by_limit_val_batches_decodes_the_first_sentences(t
     logged = trainer.validate(module, datamodule=dm, verbose=False)[0]
     assert seen == [min(3, len(next(iter(dm.val_dataloader()))["src"]))]
     assert "val/bleu" in logged and "val/chrf" in logged
+
 
 def test_run_directory_holds_config_git_tokenizer_checkpoints_and_logs(tiny_run):
     recipe, run_dir = tiny_run

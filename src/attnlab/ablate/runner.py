@@ -618,4 +618,3 @@ def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
         tries = len([t for t in s.trials if t.user_attrs.get("status") != "duplicate"])
         lines.append(f"{s.status:<8}  {s.variant:<{width}}  {s.seed:>4}  {tries:>5}  {detail}")
     return "\n".join(lines)
-

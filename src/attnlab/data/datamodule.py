@@ -441,7 +441,6 @@ class LMDataModule(_DataModule):
         return self._loader(ds, sampler, collate_windows)
 
 
-
 def _split_name(split: str) -> str:
     names = {"train": "train", "valid": "valid", "validation": "valid", "val": "valid", "dev": "valid", "test": "test"}
     if split not in names:
