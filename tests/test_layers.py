@@ -1,4 +1,5 @@
-"""Positions and accounting against their papers' formulas and textbook counts; bad input is a clear error."""
+"""Positions, norms, FFNs and accounting against their papers' formulas and textbook counts; bad input is a clear
+error. The norms and FFNs are read from `attnlab.config.CHOICES`: a new table entry is tested here unedited."""
 
 import math
 import sys
@@ -6,11 +7,28 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from attnlab.config import ModelConfig
-from attnlab.models import build_model
-from attnlab.models.accounting import count_parameters, flops_per_token, layer_parameters, training_flops
-from attnlab.models.layers import RMSNorm, alibi_bias, alibi_slopes, apply_rope, rope_cos_sin, sinusoidal_positions
+from attnlab.config import CHOICES, ModelConfig
+from attnlab.models.accounting import (
+    count_parameters,
+    ffn_params,
+    flops_per_token,
+    layer_parameters,
+    norm_params,
+    training_flops,
+)
+from attnlab.models.layers import (
+    FeedForward,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    make_norm,
+    rope_cos_sin,
+    sinusoidal_positions,
+)
+from attnlab.models.tables import ACTIVATIONS, RMSNorm
+from attnlab.models.transformer import build_model
 
 
 def test_sinusoidal_matches_the_paper_formula():
@@ -57,6 +75,45 @@ def test_rmsnorm_matches_formula():
     x = torch.randn(3, 8)
     n = RMSNorm(8, eps=1e-6)
     torch.testing.assert_close(n(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("norm", CHOICES["norm"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_norm_choice_builds_and_is_counted(norm, bias):
+    cfg = ModelConfig(d_model=16, n_heads=2, norm=norm, norm_bias=bias, norm_eps=1e-6)
+    n = make_norm(cfg)
+    x = torch.randn(3, 5, 16)  # (B, T, d)
+    assert n(x).shape == x.shape
+    assert sum(p.numel() for p in n.parameters()) == norm_params(cfg)
+    assert sum(p.numel() for p in make_norm(cfg, 4).parameters()) == norm_params(cfg, 4)  # a QK-norm's head width
+
+
+# Known activations against their definitions; a new table entry is checked against its table function only.
+ACTIVATION_FORMULAS = {
+    "relu": lambda x: x.clamp(min=0),  # max(0, x)
+    "gelu": lambda x: x * 0.5 * (1 + torch.erf(x / math.sqrt(2))),  # x * Phi(x), the exact form
+    "reglu": lambda x: x.clamp(min=0),
+    "geglu": lambda x: x * 0.5 * (1 + torch.erf(x / math.sqrt(2))),
+    "swiglu": lambda x: x * torch.sigmoid(x),  # Swish_1 = SiLU
+}
+
+
+@pytest.mark.parametrize("ffn", CHOICES["ffn"])
+def test_every_ffn_choice_computes_its_formula_and_is_counted(ffn):
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=24, n_heads=2, ffn=ffn, ffn_multiple_of=8)
+    act = ACTIVATION_FORMULAS.get(ffn, ACTIVATIONS[ffn].fn)
+    m = FeedForward(cfg)
+    x = torch.randn(2, 3, 24)  # (B, T, d)
+    h = F.linear(x, m.fc1.weight, m.fc1.bias)  # (B, T, ff), or (B, T, 2 ff) when gated
+    if cfg.gated:  # act(x W_gate) * (x W_up), Shazeer 2020
+        gate, up = h.split(cfg.ffn_dim, dim=-1)  # (B, T, ff) each
+        h = act(gate) * up
+    else:
+        h = act(h)
+    torch.testing.assert_close(m(x), F.linear(h, m.fc2.weight, m.fc2.bias))
+    assert m.fc2.in_features == cfg.ffn_dim == (64 if cfg.gated else 96)  # 8/3 d rounded up to 8, or 4 d
+    assert sum(p.numel() for p in m.parameters()) == ffn_params(cfg)
 
 
 def test_bert_base_layer_is_7084800_parameters():

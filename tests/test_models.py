@@ -1,5 +1,7 @@
 """The whole variant grid: builds, trains (finite grads everywhere), KV cache == full forward, causality,
-padding invariance, sdpa == eager == flash_attn (a plain-PyTorch stand-in on CPU), accounting == built model."""
+padding invariance, sdpa == eager == flash_attn (a plain-PyTorch stand-in on CPU), accounting == built model.
+
+Every axis is read from `attnlab.config.CHOICES`, so a new choice there is in the grid without editing this file."""
 
 import itertools
 import math
@@ -9,24 +11,26 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from attnlab.config import ModelConfig
-from attnlab.models import build_model
+from attnlab.config import CHOICES, ModelConfig
+from attnlab.models import attention
 from attnlab.models.accounting import count_parameters
 from attnlab.models.attention import Attention, Mask
+from attnlab.models.block import Block
+from attnlab.models.transformer import build_model
 
-ARCHS = ["encoder_decoder", "decoder_only", "encoder_only"]
-POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
-GRID = list(itertools.product(ARCHS, ["layernorm", "rmsnorm"], ["post", "pre", "sandwich"], ["serial", "parallel"],
-                              POSITIONS))
-INNER = list(itertools.product(["relu", "gelu", "reglu", "geglu", "swiglu"], [False, True]))  # ffn x qk_norm
+ARCHS = list(CHOICES["arch"])
+POSITIONS = list(CHOICES["position"])
+GRID = list(itertools.product(ARCHS, CHOICES["norm"], CHOICES["norm_position"], CHOICES["block"], POSITIONS))
+INNER = list(itertools.product(CHOICES["ffn"], [False, True]))  # ffn x qk_norm
 # Cycled over INNER, so every outer variant meets MHA, GQA and MQA, each bias switch off and each tying mode.
 EXTRAS = [
     dict(n_kv_heads=4, tie_embeddings="all"),
     dict(n_kv_heads=2, attn_bias=False, ffn_bias=False, tie_embeddings="none"),
     dict(n_kv_heads=1, norm_bias=False, tie_embeddings="decoder", scale_embeddings=False),
 ]
-BACKENDS = ["sdpa", "eager", "flash_attn"]
+BACKENDS = list(CHOICES["attention_backend"])
 V = 37
 
 
@@ -149,7 +153,7 @@ def check_cache(model, cfg, src, tgt, full):
     cache = model.new_cache()
     kv_calls = []
     hooks = [blk.cross_attn.kv_proj.register_forward_hook(lambda *a: kv_calls.append(1))
-             for blk in model.decoder.layers if blk.cross_attn is not None]
+             for blk in model.decoder.layers if blk.cross]
     if cfg.arch == "encoder_decoder":
         memory, src_pad = model.encode(src)
         step = lambda ids: model.decode(ids, memory, src_pad, cache=cache)  # noqa: E731
@@ -257,8 +261,6 @@ def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
 
 def test_sdpa_gqa_without_enable_gqa(monkeypatch):
     """torch < 2.5 has no enable_gqa: the K/V heads are repeated before SDPA instead, with the same result."""
-    from attnlab.models import attention
-
     cfg = tiny(arch="decoder_only", n_kv_heads=1, position="rope")
     model = build_model(cfg).eval()
     ids = tokens(2, 6)
@@ -329,6 +331,38 @@ def test_attn_softcap_caps_the_scores_before_the_softmax(backend, n_kv_heads):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The Block's norms: named slots, nn.Identity where a placement has none (checkpoint keys depend on the names).
+# ---------------------------------------------------------------------------------------------------------
+NORM_SLOTS = ("self_attn_norm", "self_attn_out_norm", "self_attn_post_norm", "cross_attn_norm", "cross_attn_out_norm",
+              "cross_attn_post_norm", "ffn_norm", "ffn_out_norm", "ffn_post_norm", "post_norm")
+_PRE = {"self_attn_norm", "cross_attn_norm", "ffn_norm"}
+# the real norms of a block with cross-attention; without it, the same less the cross_attn ones
+LAYOUT = {
+    ("post", "serial"): {"self_attn_post_norm", "cross_attn_post_norm", "ffn_post_norm"},
+    ("post", "parallel"): {"post_norm"},
+    ("pre", "serial"): _PRE,
+    ("pre", "parallel"): _PRE,
+    ("sandwich", "serial"): _PRE | {"self_attn_out_norm", "cross_attn_out_norm", "ffn_out_norm"},
+    ("sandwich", "parallel"): _PRE | {"self_attn_out_norm", "cross_attn_out_norm", "ffn_out_norm"},
+}
+
+
+@pytest.mark.parametrize("norm_position,block", list(itertools.product(CHOICES["norm_position"], CHOICES["block"])))
+@pytest.mark.parametrize("cross", [False, True])
+def test_block_norms_have_names_and_unused_ones_are_identity(norm_position, block, cross):
+    cfg = tiny(norm_position=norm_position, block=block, norm="rmsnorm")
+    blk = Block(cfg, cross=cross)
+    used = {name for name in NORM_SLOTS if not isinstance(getattr(blk, name), nn.Identity)}
+    assert all(type(getattr(blk, name)).__name__ == "RMSNorm" for name in used)
+    subs = {"self_attn", "ffn"} | ({"cross_attn"} if cross else set())
+    assert {k.split(".")[0] for k in blk.state_dict()} == subs | used  # an Identity has no state-dict keys
+    assert (blk.cross_attn is not None) == cross
+    if (norm_position, block) in LAYOUT:  # a new placement is still built, trained and counted by the tests above
+        want = {n for n in LAYOUT[norm_position, block] if cross or not n.startswith("cross_attn")}
+        assert used == want
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Accounting over the switches the forward grid only samples, component by component.
 # ---------------------------------------------------------------------------------------------------------
 def component(name: str) -> str:
@@ -343,24 +377,25 @@ def component(name: str) -> str:
         return f"{stack}.positions"
     if parts[1] == "norm":  # the final norm of a pre/sandwich stack
         return f"{stack}.norms"
-    sub = parts[3]  # layers.<i>.<sub>
-    return {"self_attn": f"{stack}.self_attention", "cross_attn": f"{stack}.cross_attention", "ffn": f"{stack}.ffn",
-            "norms": f"{stack}.norms", "out_norms": f"{stack}.norms"}[sub]
+    sub = parts[3]  # layers.<i>.<sub>: a sublayer, or one of the Block's norms (self_attn_norm, ..., post_norm)
+    if sub.endswith("_norm"):
+        return f"{stack}.norms"
+    return f"{stack}." + {"self_attn": "self_attention", "cross_attn": "cross_attention", "ffn": "ffn"}[sub]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_accounting_equals_the_built_model_component_by_component(arch):
-    switches = itertools.cycle(itertools.product(["layernorm", "rmsnorm"], ["relu", "swiglu"], [False, True],
-                                                 [False, True], [False, True]))  # norm, ffn, 3 bias switches
+    switches = itertools.cycle(itertools.product(CHOICES["norm"], CHOICES["ffn"], [False, True], [False, True],
+                                                 [False, True]))  # norm, ffn, 3 bias switches
+    outer = list(itertools.product(CHOICES["norm_position"], CHOICES["block"], [False, True], [4, 2, 1],
+                                   CHOICES["tie_embeddings"], [False, True]))
     n = 0
-    for norm_position, block, qk_norm, n_kv, tie, learned in itertools.product(
-            ["post", "pre", "sandwich"], ["serial", "parallel"], [False, True], [4, 2, 1], ["none", "decoder", "all"],
-            [False, True]):
+    for norm_position, block, qk_norm, n_kv, tie, learned in outer:
         norm, ffn, attn_bias, ffn_bias, norm_bias = next(switches)
         cfg = tiny(arch=arch, norm=norm, norm_position=norm_position, block=block, ffn=ffn, qk_norm=qk_norm,
                    n_kv_heads=n_kv, attn_bias=attn_bias, ffn_bias=ffn_bias, norm_bias=norm_bias, tie_embeddings=tie,
                    position="learned" if learned else "rope", n_enc_layers=3, n_dec_layers=2,
-                   src_vocab_size=29 if tie != "all" else 0, d_ff=48 if ffn == "relu" else 0)
+                   src_vocab_size=29 if tie != "all" else 0, d_ff=48 if n % 2 else 0)
         model = build_model(cfg)
         built: dict[str, int] = {}
         for name, p in model.named_parameters():  # a shared table is listed once
@@ -369,4 +404,4 @@ def test_accounting_equals_the_built_model_component_by_component(arch):
         assert counts.pop("total") == sum(built.values()), cfg
         assert {k: v for k, v in counts.items() if v} == built, cfg
         n += 1
-    assert n == 216
+    assert n == len(outer) >= 216

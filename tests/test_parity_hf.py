@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attnlab.config import ModelConfig
-from attnlab.models import build_model
+from attnlab.models.transformer import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,8 +64,8 @@ def load_llama_like(model, hf) -> None:
             block.self_attn.k_norm.weight.copy_(a.k_norm.weight)
         block.ffn.fc1.weight.copy_(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)))
         block.ffn.fc2.weight.copy_(mlp.down_proj.weight)
-        block.norms["self_attn"].weight.copy_(layer.input_layernorm.weight)
-        block.norms["ffn"].weight.copy_(layer.post_attention_layernorm.weight)
+        block.self_attn_norm.weight.copy_(layer.input_layernorm.weight)  # pre-norm: the norms before the sublayers
+        block.ffn_norm.weight.copy_(layer.post_attention_layernorm.weight)
     dec.norm.weight.copy_(base.norm.weight)
     if model.head is not None:
         model.head.weight.copy_(hf.lm_head.weight)
@@ -91,9 +91,10 @@ def load_neox(model, hf) -> None:
         block.ffn.fc1.bias.copy_(mlp.dense_h_to_4h.bias)
         block.ffn.fc2.weight.copy_(mlp.dense_4h_to_h.weight)
         block.ffn.fc2.bias.copy_(mlp.dense_4h_to_h.bias)
-        for name, norm in (("self_attn", layer.input_layernorm), ("ffn", layer.post_attention_layernorm)):
-            block.norms[name].weight.copy_(norm.weight)
-            block.norms[name].bias.copy_(norm.bias)
+        norms = ((block.self_attn_norm, layer.input_layernorm), (block.ffn_norm, layer.post_attention_layernorm))
+        for ours, norm in norms:  # parallel pre-norm: each sublayer's norm before it
+            ours.weight.copy_(norm.weight)
+            ours.bias.copy_(norm.bias)
     dec.norm.weight.copy_(base.final_layer_norm.weight)
     dec.norm.bias.copy_(base.final_layer_norm.bias)
     model.head.weight.copy_(hf.lm_head.weight)

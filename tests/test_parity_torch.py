@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attnlab.config import ModelConfig
-from attnlab.models import build_model
+from attnlab.models.transformer import build_model
 
 V, V_SRC, D, H, FF, N = 53, 47, 32, 4, 64, 2
 ATOL, RTOL = 1e-5, 1e-5
@@ -91,20 +91,31 @@ def copy_ffn(layer, ffn) -> None:
     layer.linear2.bias.copy_(ffn.fc2.bias)
 
 
+def block_norms(block, pre: bool) -> tuple:
+    """attnlab's counterparts of nn.Transformer's norm1, norm2 (, norm3): the norms before the sublayers
+    (norm_first) or after each residual add (post-norm). Cross-attention ones are nn.Identity in an encoder."""
+    if pre:
+        return block.self_attn_norm, block.cross_attn_norm, block.ffn_norm
+    return block.self_attn_post_norm, block.cross_attn_post_norm, block.ffn_post_norm
+
+
 @torch.no_grad()
 def load_into_reference(model, ref: TorchReference) -> None:
+    pre = model.cfg.norm_position == "pre"
     for layer, block in zip(ref.transformer.encoder.layers, model.encoder.layers, strict=True):
         copy_attention(layer.self_attn, block.self_attn, cross=False)
         copy_ffn(layer, block.ffn)
-        copy_norm(layer.norm1, block.norms["self_attn"])
-        copy_norm(layer.norm2, block.norms["ffn"])
+        self_norm, _, ffn_norm = block_norms(block, pre)
+        copy_norm(layer.norm1, self_norm)
+        copy_norm(layer.norm2, ffn_norm)
     for layer, block in zip(ref.transformer.decoder.layers, model.decoder.layers, strict=True):
         copy_attention(layer.self_attn, block.self_attn, cross=False)
         copy_attention(layer.multihead_attn, block.cross_attn, cross=True)
         copy_ffn(layer, block.ffn)
-        copy_norm(layer.norm1, block.norms["self_attn"])
-        copy_norm(layer.norm2, block.norms["cross_attn"])
-        copy_norm(layer.norm3, block.norms["ffn"])
+        self_norm, cross_norm, ffn_norm = block_norms(block, pre)
+        copy_norm(layer.norm1, self_norm)
+        copy_norm(layer.norm2, cross_norm)
+        copy_norm(layer.norm3, ffn_norm)
     if ref.transformer.encoder.norm is not None:
         copy_norm(ref.transformer.encoder.norm, model.encoder.norm)
         copy_norm(ref.transformer.decoder.norm, model.decoder.norm)

@@ -7,33 +7,37 @@ round-trips exactly. Invalid combinations raise `ConfigError` in `__post_init__`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from .models.tables import ACTIVATIONS, NORMS
+
 
 class ConfigError(ValueError):
     """A config value or combination that cannot run. The message names the key(s) at fault."""
 
 
-# The valid values of each string-valued ablation axis; `one_of` error messages list them.
-CHOICES: dict[str, tuple[str, ...]] = {
+# The valid values of each string-valued ablation axis; `one_of` error messages list them. The norms and FFN
+# activations are live views of the model's own tables (attnlab.models.tables): an entry added there is a choice.
+CHOICES: dict[str, Collection[str]] = {
     "arch": ("encoder_decoder", "decoder_only", "encoder_only"),
-    "norm": ("layernorm", "rmsnorm"),
+    "norm": NORMS.keys(),
     "norm_position": ("post", "pre", "sandwich"),
-    "ffn": ("relu", "gelu", "reglu", "geglu", "swiglu"),
+    "ffn": ACTIVATIONS.keys(),
     "block": ("serial", "parallel"),
     "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
     "tie_embeddings": ("none", "decoder", "all"),
     "attention_backend": ("sdpa", "flash_attn", "eager"),
     "init": ("xavier", "normal"),
 }
-GATED_FFNS = ("reglu", "geglu", "swiglu")
 
 
 class StrictConfig:
@@ -172,7 +176,7 @@ class ModelConfig(StrictConfig):
 
     @property
     def gated(self) -> bool:
-        return self.ffn in GATED_FFNS
+        return ACTIVATIONS[self.ffn].gated
 
     @property
     def ffn_dim(self) -> int:
@@ -196,7 +200,7 @@ class ModelConfig(StrictConfig):
 T = TypeVar("T")
 
 
-def one_of(key: str, value: Any, valid: tuple[str, ...], prefix: str = "model") -> None:
+def one_of(key: str, value: Any, valid: Collection[str], prefix: str = "model") -> None:
     if value not in valid:
         raise ConfigError(f"{prefix}.{key}={value!r} is not one of: {', '.join(valid)}")
 
@@ -252,8 +256,6 @@ def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
     names = {f.name for f in fields(cls)}
     unknown = [k for k in d if k not in names]
     if unknown:
-        import difflib
-
         hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
         detail = ", ".join(f"{path}.{k}" + (f" (did you mean {path}.{h[0]}?)" if h else "") for k, h in hints.items())
         raise ConfigError(f"unknown config key(s): {detail}")

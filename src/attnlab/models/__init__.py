@@ -1,6 +1,6 @@
-"""Plain-PyTorch models built from a ModelConfig (no Lightning, no I/O)."""
+"""Plain-PyTorch models built from a ModelConfig (no Lightning, no I/O).
 
-from .attention import KVCache
-from .transformer import DecoderOnly, Encoder, EncoderDecoder, build_model
-
-__all__ = ["KVCache", "DecoderOnly", "Encoder", "EncoderDecoder", "build_model"]
+The package imports nothing: import from its modules (`attnlab.models.transformer.build_model`,
+`attnlab.models.attention.KVCache`, ...), so that `attnlab.config` can read `attnlab.models.tables`
+without importing the models, and so the config.
+"""

@@ -1,14 +1,46 @@
 """ONE Transformer block. It branches on config fields; there is no class per variant.
 
-Norm placement (x is the residual stream, f a sublayer: self-attention, cross-attention or FFN):
-  post      x = norm(x + f(x))                      Vaswani et al. 2017
+x is the residual stream; f a sublayer: self-attention, then cross-attention (decoder blocks of an
+encoder-decoder, built with cross=True, reading the encoder output `memory`), then the FFN. Each f has
+three norm slots, and a norm that a placement does not use is nn.Identity:
+    f_norm       before f                 (pre, sandwich)
+    f_out_norm   on f's output            (sandwich)
+    f_post_norm  after the residual add   (post, serial)
+and a parallel post-norm block has one `post_norm` after the summed residual.
+
+Serial (the sublayers one after the other), for each f in turn:
+
+    x = f_post_norm(x + drop(f_out_norm(f(f_norm(x)))))
+
+  post      x = norm(x + f(x))                      Vaswani et al. 2017, arXiv:1706.03762
   pre       x = x + f(norm(x))                      Xiong et al. 2020, arXiv:2002.04745
   sandwich  x = x + norm_out(f(norm(x)))            Ding et al. 2021 (CogView), arXiv:2105.13290
-Block layout:
-  serial    the sublayers one after the other
-  parallel  every sublayer reads the same input and their outputs are summed
-            (GPT-J; GPT-NeoX; PaLM, arXiv:2204.02311): x = x + attn(n1(x)) + ffn(n2(x)),
-            and for post-norm x = norm(x + attn(x) + ffn(x)).
+
+Parallel (GPT-J; GPT-NeoX; PaLM, arXiv:2204.02311): every f reads the same x and the outputs are summed,
+
+    x = post_norm(x + drop(a) + drop(c) + drop(m)),   a, c, m = f_out_norm(f(f_norm(x))) for f = attn, cross, ffn
+
+  post      x = norm(x + attn(x) + ffn(x))
+  pre       x = x + attn(n1(x)) + ffn(n2(x))
+  sandwich  x = x + n1_out(attn(n1(x))) + n2_out(ffn(n2(x)))
+
+    serial, for each f in turn             parallel (cross-attention, when there, as a third branch)
+    ┌─ x                                   ┌─ x ──────────────────┐
+    │  ↓                                   │  ↓                   ↓
+    │  f_norm                              │  self_attn_norm      ffn_norm
+    │  ↓                                   │  ↓                   ↓
+    │  f                                   │  self_attn           ffn
+    │  ↓                                   │  ↓                   ↓
+    │  f_out_norm                          │  self_attn_out_norm  ffn_out_norm
+    │  ↓                                   │  ↓                   ↓
+    │  drop                                │  drop                drop
+    │  ↓                                   │  ↓                   │
+    └─ +                                   └─ + ◄─────────────────┘
+       ↓                                      ↓
+       f_post_norm                            post_norm
+
+Dropout is applied to each sublayer's output separately, in the order self-attention, cross-attention, FFN;
+the parallel sum is x + (a + c + m), summed in that order.
 """
 
 from __future__ import annotations
@@ -21,24 +53,35 @@ from .attention import Attention, KVCache, Mask
 from .layers import FeedForward, make_norm
 
 
+def norm_or_identity(cfg: ModelConfig, used: bool) -> nn.Module:
+    """The config's norm where a placement uses this slot; nn.Identity (no parameters, no state) where not."""
+    return make_norm(cfg) if used else nn.Identity()
+
+
 class Block(nn.Module):
+    """Self-attention, cross-attention (cross=True) and FFN with the norms of cfg.norm_position, serial or parallel
+    as cfg.block says: the formulas of the module docstring."""
+
     def __init__(self, cfg: ModelConfig, cross: bool = False) -> None:
         super().__init__()
-        self.norm_position, self.parallel = cfg.norm_position, cfg.block == "parallel"
-        names = ["self_attn"] + (["cross_attn"] if cross else []) + ["ffn"]
+        self.parallel, self.cross = cfg.block == "parallel", cross
         self.self_attn = Attention(cfg)
-        self.cross_attn = Attention(cfg, cross=True) if cross else None
+        self.cross_attn = Attention(cfg, cross=True) if cross else None  # only decoder blocks of an encoder-decoder
         self.ffn = FeedForward(cfg)
-        # parallel post-norm normalises the one summed residual; everything else has a norm per sublayer
-        in_names = names[:1] if (self.parallel and self.norm_position == "post") else names
-        self.norms = nn.ModuleDict({n: make_norm(cfg) for n in in_names})
-        self.out_norms = nn.ModuleDict({n: make_norm(cfg) for n in names}) if self.norm_position == "sandwich" else None
+        before = cfg.norm_position in ("pre", "sandwich")  # f_norm
+        on_output = cfg.norm_position == "sandwich"  # f_out_norm
+        after = cfg.norm_position == "post"  # f_post_norm (serial) or the one post_norm (parallel)
+        self.self_attn_norm = norm_or_identity(cfg, before)
+        self.self_attn_out_norm = norm_or_identity(cfg, on_output)
+        self.self_attn_post_norm = norm_or_identity(cfg, after and not self.parallel)
+        self.cross_attn_norm = norm_or_identity(cfg, before and cross)
+        self.cross_attn_out_norm = norm_or_identity(cfg, on_output and cross)
+        self.cross_attn_post_norm = norm_or_identity(cfg, after and not self.parallel and cross)
+        self.ffn_norm = norm_or_identity(cfg, before)
+        self.ffn_out_norm = norm_or_identity(cfg, on_output)
+        self.ffn_post_norm = norm_or_identity(cfg, after and not self.parallel)
+        self.post_norm = norm_or_identity(cfg, after and self.parallel)
         self.drop = nn.Dropout(cfg.dropout)
-
-    def _sublayer(self, name: str, x: torch.Tensor, **kw) -> torch.Tensor:
-        f = self.self_attn if name == "self_attn" else self.cross_attn if name == "cross_attn" else self.ffn
-        h = f(x, **kw) if name != "ffn" else f(x)
-        return self.out_norms[name](h) if self.out_norms is not None else h  # (B, T, d)
 
     def forward(
         self,
@@ -50,20 +93,23 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        kwargs = {
-            "self_attn": {"mask": self_mask, "rope": rope, "cache": cache, "layer": layer},
-            "cross_attn": {"mask": cross_mask, "memory": memory, "cache": cache, "layer": layer},
-            "ffn": {},
-        }
-        names = list(kwargs) if self.cross_attn is not None else ["self_attn", "ffn"]
-        post = self.norm_position == "post"
-        if self.parallel:
-            if post:  # x = norm(x + sum f(x))
-                return self.norms["self_attn"](x + sum(self.drop(self._sublayer(n, x, **kwargs[n])) for n in names))
-            return x + sum(self.drop(self._sublayer(n, self.norms[n](x), **kwargs[n])) for n in names)
-        for n in names:
-            if post:
-                x = self.norms[n](x + self.drop(self._sublayer(n, x, **kwargs[n])))  # (B, T, d)
-            else:
-                x = x + self.drop(self._sublayer(n, self.norms[n](x), **kwargs[n]))  # (B, T, d)
-        return x
+        def attn(x: torch.Tensor) -> torch.Tensor:  # self_attn_out_norm(self_attn(self_attn_norm(x)))
+            h = self.self_attn(self.self_attn_norm(x), self_mask, rope=rope, cache=cache, layer=layer)  # (B, T, d)
+            return self.self_attn_out_norm(h)  # (B, T, d)
+
+        def cross(x: torch.Tensor) -> torch.Tensor:  # cross_attn_out_norm(cross_attn(cross_attn_norm(x), memory))
+            h = self.cross_attn(self.cross_attn_norm(x), cross_mask, memory, cache=cache, layer=layer)  # (B, T, d)
+            return self.cross_attn_out_norm(h)  # (B, T, d)
+
+        def ffn(x: torch.Tensor) -> torch.Tensor:  # ffn_out_norm(ffn(ffn_norm(x)))
+            return self.ffn_out_norm(self.ffn(self.ffn_norm(x)))  # (B, T, d)
+
+        if self.parallel:  # x = post_norm(x + drop(a) + drop(c) + drop(m)), every term reading the same x
+            h = self.drop(attn(x))  # (B, T, d)
+            if self.cross:
+                h = h + self.drop(cross(x))  # (B, T, d)
+            return self.post_norm(x + (h + self.drop(ffn(x))))  # (B, T, d)
+        x = self.self_attn_post_norm(x + self.drop(attn(x)))  # (B, T, d)
+        if self.cross:
+            x = self.cross_attn_post_norm(x + self.drop(cross(x)))  # (B, T, d)
+        return self.ffn_post_norm(x + self.drop(ffn(x)))  # (B, T, d)

@@ -1,60 +1,32 @@
-"""Norms, feed-forward networks and position encodings. Each variant cites where it was defined."""
+"""Norms, feed-forward networks and position encodings. Each variant cites where it was defined (the
+activations and norms in tables.py, the table their names are read from)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .tables import ACTIVATIONS, NORMS
 
 
 # ----------------------------------------------------------------------------------------------
-# Norms
+# Norms and feed-forward: the choices are the names in tables.py
 # ----------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, no centring and no bias (Zhang & Sennrich 2019, arXiv:1910.07467)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # statistics in fp32 even under bf16 autocast, as Llama does
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
-        return self.weight * xf.type_as(x)
-
-
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
-    """LayerNorm (Ba et al. 2016, arXiv:1607.06450) or RMSNorm, as the config says."""
-    dim = dim or cfg.d_model
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.norm_bias)
-
-
-# ----------------------------------------------------------------------------------------------
-# Feed-forward
-# ----------------------------------------------------------------------------------------------
-_ACTIVATIONS = {
-    "relu": F.relu,  # Vaswani et al. 2017
-    "gelu": F.gelu,  # Hendrycks & Gimpel 2016 (exact erf form, as BERT and GPT-NeoX)
-    "reglu": F.relu,  # GLU variants: Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202
-    "geglu": F.gelu,
-    "swiglu": F.silu,
-}
+    """The norm `cfg.norm` names in `tables.NORMS` (LayerNorm or RMSNorm), over `dim` (default d_model)."""
+    return NORMS[cfg.norm](dim or cfg.d_model, cfg.norm_eps, cfg.norm_bias)
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN. Gated variants compute act(x W_gate) * (x W_up), with W_gate and W_up fused in fc1."""
+    """Position-wise FFN: fc2(act(fc1(x))), or for a gated choice fc2(act(x W_gate) * (x W_up)), W_gate and W_up
+    fused in fc1. `act` and whether it is gated come from `tables.ACTIVATIONS[cfg.ffn]`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gated = cfg.gated
-        self.act = _ACTIVATIONS[cfg.ffn]
+        self.act, self.gated = ACTIVATIONS[cfg.ffn]
         hidden = cfg.ffn_dim
         self.fc1 = nn.Linear(cfg.d_model, hidden * (2 if self.gated else 1), bias=cfg.ffn_bias)
         self.fc2 = nn.Linear(hidden, cfg.d_model, bias=cfg.ffn_bias)

@@ -84,12 +84,17 @@ class Stack(nn.Module):
 
 
 class _Model(nn.Module):
-    """Shared parts: output head (tied or not), logit soft-capping, initialisation."""
+    """Shared parts: the stacks (registered in the order given), the output head (tied to the last stack's
+    embedding unless tie_embeddings=none), logit soft-capping, initialisation."""
 
-    cfg: ModelConfig
-
-    def _make_head(self, tie: bool) -> None:
-        self.head = None if tie else nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
+    def __init__(self, cfg: ModelConfig, **stacks: Stack) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for name, stack in stacks.items():
+            self.add_module(name, stack)
+        tie = cfg.tie_embeddings != "none"
+        self.head = None if tie else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
 
     def output_embedding(self) -> nn.Embedding:
         """The table the head shares when tied: the embedding of the last stack."""
@@ -138,15 +143,11 @@ class EncoderDecoder(_Model):
     """The Transformer of Vaswani et al. 2017 (arXiv:1706.03762) and its variants."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
         tgt_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         shared = cfg.tie_embeddings == "all"  # one table for source, target and output (Press & Wolf 2017)
         src_embed = tgt_embed if shared else nn.Embedding(cfg.source_vocab_size, cfg.d_model)
-        self.encoder = Stack(cfg, src_embed, cfg.n_enc_layers, causal=False, cross=False)
-        self.decoder = Stack(cfg, tgt_embed, cfg.n_dec_layers, causal=True, cross=True)
-        self._make_head(tie=cfg.tie_embeddings != "none")
-        self.reset_parameters()
+        super().__init__(cfg, encoder=Stack(cfg, src_embed, cfg.n_enc_layers, causal=False, cross=False),
+                         decoder=Stack(cfg, tgt_embed, cfg.n_dec_layers, causal=True, cross=True))
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B, S) padded with pad_id -> memory (B, S, d), src_pad (B, S) True at padding."""
@@ -170,42 +171,40 @@ class EncoderDecoder(_Model):
         return KVCache(self.cfg.n_dec_layers)
 
 
-class DecoderOnly(_Model):
+class _OneStack(_Model):
+    """One stack of blocks over a token embedding, and the vocabulary head: `decoder` (causal) or `encoder`."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+        n_layers = cfg.n_dec_layers if causal else cfg.n_enc_layers
+        stack = Stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model), n_layers, causal=causal, cross=False)
+        super().__init__(cfg, **{"decoder" if causal else "encoder": stack})
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, V) (or hidden states (B, T, d)). With a cache (causal only), ids are the new
+        tokens after cache.pos; an encoder's ids may be padded with pad_id."""
+        check_ids(ids, self.cfg.vocab_size, "input")
+        stack = self.decoder if hasattr(self, "decoder") else self.encoder
+        if cache is not None and not stack.causal:
+            raise ValueError("a KV cache is for causal decoding; an encoder attends both ways")
+        h = stack(ids, cache=cache)  # (B, T, d)
+        return h if return_hidden else self.logits(h)
+
+
+class DecoderOnly(_OneStack):
     """A causal language model (GPT: Radford et al. 2018; Llama: Touvron et al. 2023)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.decoder = Stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model), cfg.n_dec_layers, causal=True, cross=False)
-        self._make_head(tie=cfg.tie_embeddings != "none")
-        self.reset_parameters()
-
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
-        """ids (B, T) -> logits (B, T, V). With a cache, ids are the new tokens after cache.pos."""
-        check_ids(ids, self.cfg.vocab_size, "input")
-        h = self.decoder(ids, cache=cache)  # (B, T, d)
-        return h if return_hidden else self.logits(h)
+        super().__init__(cfg, causal=True)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.n_dec_layers)
 
 
-class Encoder(_Model):
+class Encoder(_OneStack):
     """A bidirectional encoder with a vocabulary head (BERT-style, Devlin et al. 2019)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.encoder = Stack(cfg, embed, cfg.n_enc_layers, causal=False, cross=False)
-        self._make_head(tie=cfg.tie_embeddings != "none")
-        self.reset_parameters()
-
-    def forward(self, ids: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        """ids (B, T) padded with pad_id -> logits (B, T, V) (or hidden states (B, T, d))."""
-        check_ids(ids, self.cfg.vocab_size, "input")
-        h = self.encoder(ids)  # (B, T, d)
-        return h if return_hidden else self.logits(h)
+        super().__init__(cfg, causal=False)
 
 
 def build_model(cfg: ModelConfig) -> EncoderDecoder | DecoderOnly | Encoder:
