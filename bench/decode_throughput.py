@@ -42,7 +42,7 @@ from train_throughput import SHAPES as TRAIN_SHAPES  # noqa: E402
 from train_throughput import Llama, Marian, encdec_config, lm_config  # noqa: E402
 
 from attnlab.decode import beam_search, generate, greedy_search  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
+from attnlab.models.transformer import build_model  # noqa: E402
 
 SHAPES = {
     "full": {"mt": dict(batch=64, src=64, new=64), "lm": dict(batch=16, prompt=128, new=256)},

@@ -49,9 +49,9 @@ from harness import (  # noqa: E402
 )
 
 from attnlab.config import ModelConfig  # noqa: E402
-from attnlab.lit.optim import linear_cross_entropy, token_loss  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
+from attnlab.lit.loss import linear_cross_entropy, token_loss  # noqa: E402
 from attnlab.models.accounting import training_flops  # noqa: E402
+from attnlab.models.transformer import build_model  # noqa: E402
 
 PAD = 0
 SHAPES = {

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnlab.config import ModelConfig
-from attnlab.models import build_model
+from attnlab.models.transformer import build_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,7 +93,7 @@ def test_flash_attn_package_matches_sdpa_with_padding_and_cache():
 # ------------------------------------------------------------------------------------------ numerics
 def train_losses(cfg: ModelConfig, batch: tuple[torch.Tensor, ...], steps: int, bf16: bool) -> list[float]:
     """Per-step training losses of `steps` AdamW steps on one fixed batch, from the seed-0 initialisation."""
-    from attnlab.lit.optim import token_loss
+    from attnlab.lit.loss import token_loss
 
     torch.manual_seed(0)
     model = build_model(cfg).cuda().train()
@@ -134,7 +134,7 @@ def test_bf16_autocast_training_follows_the_fp32_loss_curve(arch):
 
 
 def test_chunked_loss_matches_the_plain_loss_in_bf16_and_needs_less_memory():
-    from attnlab.lit.optim import linear_cross_entropy, token_loss
+    from attnlab.lit.loss import linear_cross_entropy, token_loss
 
     torch.manual_seed(0)
     N, d, V = 8192, 512, 32000

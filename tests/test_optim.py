@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.config import ConfigError, ModelConfig, OptimConfig
-from attnlab.lit.optim import lr_factor, make_optimizer, make_scheduler, param_groups, token_loss
-from attnlab.models import build_model
+from attnlab.lit.loss import token_loss
+from attnlab.lit.optim import lr_factor, make_optimizer, make_scheduler, param_groups
+from attnlab.models.transformer import build_model
 
 
 def test_noam_is_the_paper_formula():

@@ -10,7 +10,7 @@ from attnlab.config import ConfigError, ModelConfig
 from attnlab.data.config import DataConfig
 from attnlab.experiment import Experiment, TrainConfig
 from attnlab.lit import LMModule, Seq2SeqModule
-from attnlab.lit.optim import linear_cross_entropy, token_loss
+from attnlab.lit.loss import linear_cross_entropy, token_loss
 from attnlab.train import make_module
 
 PAD = 0

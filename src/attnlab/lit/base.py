@@ -11,8 +11,9 @@ import torch
 from torchmetrics.aggregation import SumMetric
 
 from ..config import ModelConfig, OptimConfig
-from ..models import build_model
-from .optim import linear_cross_entropy, make_optimizer, make_scheduler, token_loss
+from ..models.transformer import build_model
+from .loss import linear_cross_entropy, token_loss
+from .optim import make_optimizer, make_scheduler
 
 
 class BaseModule(L.LightningModule):
