@@ -1,11 +1,9 @@
-"""Decoding: greedy and beam search against cache-free references, sampling, checkpoint averaging."""
+"""Decoding: greedy and beam search against cache-free references, sampling."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +12,9 @@ from torch import nn
 
 from attnlab.config import ModelConfig
 from attnlab.decode import (
-    average_checkpoints,
     beam_search,
     generate,
     greedy_search,
-    last_checkpoints,
     length_penalty,
     max_lengths,
     sample_next,
@@ -386,95 +382,3 @@ def test_generate_stops_rows_at_eos(lm):
 def test_generate_needs_a_decoder_only_model(seq2seq):
     with pytest.raises(TypeError, match="decoder_only"):
         generate(seq2seq, [[1, 2]], max_new_tokens=2)
-
-
-# ---------------------------------------------------------------------------------------------
-# checkpoint averaging
-# ---------------------------------------------------------------------------------------------
-def write_ckpts(tmp_path: Path, n: int = 3, lightning: bool = True) -> tuple[list[str], list[dict]]:
-    paths, states = [], []
-    for i in range(n):
-        w = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
-        emb = torch.randn(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + i))
-        sd = {"w": w, "half": w.to(torch.bfloat16), "emb": emb, "head": emb, "count": torch.tensor([7, 8])}
-        obj = {"state_dict": sd, "epoch": i, "global_step": 100 * (i + 1)} if lightning else sd
-        p = tmp_path / f"step={100 * (i + 1)}.ckpt"
-        torch.save(obj, p)
-        paths.append(str(p))
-        states.append(sd)
-    return paths, states
-
-
-@pytest.mark.parametrize("lightning", [True, False])
-def test_average_of_known_tensors_is_exact(tmp_path, lightning):
-    paths, states = write_ckpts(tmp_path, lightning=lightning)
-    out = tmp_path / "avg" / "averaged.ckpt"
-    result = average_checkpoints(paths, str(out))
-    loaded = torch.load(out, weights_only=True)
-    sd = loaded["state_dict"] if lightning else loaded
-    want = sum(s["w"].double() for s in states) / 3
-    assert torch.equal(sd["w"], want.float()) and sd["w"].dtype == torch.float32
-    assert torch.equal(sd["half"], (sum(s["half"].double() for s in states) / 3).to(torch.bfloat16))
-    assert torch.allclose(sd["emb"], sum(s["emb"] for s in states) / 3, rtol=0, atol=1e-15)
-    assert torch.equal(sd["count"], torch.tensor([7, 8]))
-    assert sd["emb"].data_ptr() == sd["head"].data_ptr()  # tied weights stay tied
-    if lightning:
-        assert loaded["epoch"] == 2 and loaded["global_step"] == 300  # metadata of the last checkpoint
-        assert torch.equal(result["state_dict"]["w"], sd["w"])
-
-
-def test_average_rejects_mismatched_keys_naming_key_and_file(tmp_path):
-    paths, _ = write_ckpts(tmp_path)
-    bad = torch.load(paths[1], weights_only=True)
-    bad["state_dict"]["extra.bias"] = bad["state_dict"].pop("w")
-    torch.save(bad, paths[1])
-    with pytest.raises(ValueError, match=r"step=200\.ckpt.*missing \['w'\], extra \['extra\.bias'\]"):
-        average_checkpoints(paths)
-
-
-def test_average_rejects_differing_integer_tensors_and_shapes(tmp_path):
-    paths, _ = write_ckpts(tmp_path)
-    bad = torch.load(paths[0], weights_only=True)
-    bad["state_dict"]["count"] = torch.tensor([7, 9])
-    torch.save(bad, paths[0])
-    with pytest.raises(ValueError, match=r"count: non-floating entry differs between .*step=100\.ckpt"):
-        average_checkpoints(paths)
-    bad["state_dict"]["count"] = torch.tensor([7, 8])
-    bad["state_dict"]["w"] = torch.zeros(3, 4)
-    torch.save(bad, paths[0])
-    with pytest.raises(ValueError, match=r"w: .*step=100\.ckpt has \(3, 4\)"):
-        average_checkpoints(paths)
-
-
-def test_average_writes_atomically(tmp_path, monkeypatch):
-    paths, _ = write_ckpts(tmp_path)
-    out = tmp_path / "averaged.ckpt"
-    out.write_bytes(b"previous")
-
-    def failing_save(obj, f):
-        f.write(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        average_checkpoints(paths, out)
-    assert out.read_bytes() == b"previous"  # the target is never a partial file
-    monkeypatch.undo()
-    average_checkpoints(paths, out)
-    assert torch.load(out, weights_only=True)["global_step"] == 300
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["averaged.ckpt"] + sorted(Path(p).name for p in paths)
-
-
-def test_last_checkpoints_by_step_then_mtime(tmp_path):
-    for name in ["step=1000.ckpt", "step=50.ckpt", "epoch=0-step=500.ckpt", "last.ckpt", "averaged_last5.ckpt"]:
-        (tmp_path / name).write_bytes(b"")
-    assert [p.name for p in last_checkpoints(tmp_path, 2)] == ["epoch=0-step=500.ckpt", "step=1000.ckpt"]
-    assert len(last_checkpoints(tmp_path, 10)) == 3
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for i, name in enumerate(["c.ckpt", "a.ckpt", "b.ckpt"]):
-        (plain / name).write_bytes(b"")
-        os.utime(plain / name, (1000 + i, 1000 + i))
-    assert [p.name for p in last_checkpoints(plain, 2)] == ["a.ckpt", "b.ckpt"]
-    with pytest.raises(FileNotFoundError):
-        last_checkpoints(tmp_path / "missing", 5)

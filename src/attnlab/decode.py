@@ -1,4 +1,4 @@
-"""Decoding: greedy and beam search for translation, sampling for language models, checkpoint averaging.
+"""Decoding: greedy and beam search for translation, sampling for language models.
 
 Conventions shared by the translation searches:
 - max output length per sentence = floor(max_len_a * source length + max_len_b), the source length
@@ -15,13 +15,8 @@ Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import re
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -380,124 +375,4 @@ def _generate_batch(
     return torch.stack(steps, 1)  # (G, N)
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoint averaging (Vaswani et al. 2017 average the last 5 checkpoints)
-# ---------------------------------------------------------------------------------------------
-def _load(path: str | Path) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # missing, truncated, or pickled code that weights_only refuses
-        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(ckpt, dict):
-        raise ValueError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(ckpt).__name__}")
-    return ckpt
-
-
-def average_checkpoints(paths: Sequence[str | Path], out_path: str | Path | None = None) -> dict[str, Any]:
-    """Average the weights of checkpoints: Lightning ones ({"state_dict": ..., ...}) or plain state dicts.
-
-    Floating tensors are averaged in float64 and cast back to the last checkpoint's dtype; other entries
-    (integer buffers, step counters) must be equal in every file. Keys and shapes must match. The result
-    keeps the last checkpoint's other entries (epoch, step, hyper_parameters, optimizer state) with the
-    averaged weights, is returned, and is written to `out_path` (when given) atomically: a temporary file
-    in the same folder, then os.replace, so the target is never a partial file."""
-    paths = [str(p) for p in paths]
-    if not paths:
-        raise ValueError("average_checkpoints needs at least one checkpoint")
-    ckpts = [_load(p) for p in paths]
-    lightning = [isinstance(c.get("state_dict"), dict) for c in ckpts]
-    if len(set(lightning)) > 1:
-        kinds = ", ".join(f"{p} ({'Lightning' if c else 'state dict'})" for p, c in zip(paths, lightning, strict=True))
-        raise ValueError(f"cannot average Lightning checkpoints with plain state dicts: {kinds}")
-    states = [c["state_dict"] for c in ckpts] if lightning[0] else ckpts
-    ref = states[-1]
-    for p, s in zip(paths, states, strict=True):
-        missing, extra = sorted(set(ref) - set(s)), sorted(set(s) - set(ref))
-        if missing or extra:
-            raise ValueError(f"{p}: keys differ from {paths[-1]}: missing {missing[:10]}, extra {extra[:10]}")
-
-    n = len(states)
-    avg: dict[str, Any] = {}
-    shared: dict[tuple, torch.Tensor] = {}  # tied weights (one storage under two keys) stay tied
-    for key, last in ref.items():
-        values = [s[key] for s in states]
-        if not isinstance(last, torch.Tensor) or not last.is_floating_point():
-            for p, v in zip(paths, values, strict=True):
-                if not _equal(v, last):
-                    raise ValueError(f"{key}: non-floating entry differs between {p} and {paths[-1]}; cannot average")
-            avg[key] = last
-            continue
-        for p, v in zip(paths, values, strict=True):
-            if not isinstance(v, torch.Tensor) or v.shape != last.shape:
-                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{key}: {p} has {shape}, {paths[-1]} has {tuple(last.shape)}")
-        tie = tuple((v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride()) for v in values)
-        if last.numel() and tie in shared:
-            avg[key] = shared[tie]
-            continue
-        acc = torch.zeros(last.shape, dtype=torch.float64)
-        for v in values:
-            acc += v.to(torch.float64)  # a running fp64 sum: exact enough, and one copy of the model in memory
-        avg[key] = shared[tie] = (acc / n).to(last.dtype)
-
-    result = dict(ckpts[-1])
-    if lightning[0]:
-        result["state_dict"] = avg
-    else:
-        result = avg
-    if out_path is not None:
-        save_atomic(result, out_path)
-    return result
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        return both and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    return bool(a == b)
-
-
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, then os.replace: readers see old or new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-_STEP = re.compile(r"step=(\d+)")
-
-
-def last_checkpoints(directory: str | Path, n: int) -> list[Path]:
-    """The n most recent *.ckpt in `directory`, oldest first (so the last is the newest).
-
-    Recency is the training step parsed from Lightning names (`step=500.ckpt`, `epoch=0-step=500.ckpt`,
-    ties broken by mtime). Files without `step=` (last.ckpt, a copy of the newest; averaged outputs) are
-    ignored when any file has a step, else all are ordered by modification time."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint folder not found: {directory}")
-    if n < 1:
-        raise ValueError(f"n={n} must be >= 1")
-    files = [p for p in directory.glob("*.ckpt") if p.is_file()]
-    stepped = [(int(m.group(1)), p.stat().st_mtime, p) for p in files if (m := _STEP.search(p.name))]
-    if stepped:
-        ordered = [p for _, _, p in sorted(stepped, key=lambda x: (x[0], x[1], x[2].name))]
-    else:
-        ordered = sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
-    return ordered[-n:]
-
-
-__all__ = [
-    "average_checkpoints", "beam_search", "generate", "greedy_search", "last_checkpoints", "length_penalty",
-    "max_lengths", "sample_next", "save_atomic",
-]
+__all__ = ["beam_search", "generate", "greedy_search", "length_penalty", "max_lengths", "sample_next"]

@@ -10,9 +10,10 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoints import load_checkpoint
 from .config import DecodeConfig
+from .data.tokenizer import Tokenizer
 from .lit import LMModule, Seq2SeqModule
-from .train import load_checkpoint
 
 log = logging.getLogger("attnlab")
 
@@ -23,9 +24,7 @@ def run_dir_of(ckpt_path: str | Path) -> Path:
     return p.parent.parent if p.parent.name == "checkpoints" else p.parent
 
 
-def load_tokenizer(run_dir: Path):
-    from .data.tokenizer import Tokenizer
-
+def load_tokenizer(run_dir: Path) -> Tokenizer:
     tok_dir = run_dir / "tokenizer"
     if not tok_dir.exists():
         raise FileNotFoundError(
