@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
+from attnlab.checkpoints import load_checkpoint
 from attnlab.experiment import load_experiment
-from attnlab.train import load_checkpoint, prepare
+from attnlab.train import prepare
 from test_train import read_metrics, write_recipe
 
 DRIVER = '''

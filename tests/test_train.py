@@ -21,22 +21,15 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from attnlab.checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
 from attnlab.config import ConfigError
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
 from attnlab.lit.optim import lr_factor
 from attnlab.lit.seq2seq import strip_special
-from attnlab.train import (
-    AtomicCheckpointIO,
-    archive_previous,
-    check_compatible,
-    fit,
-    load_checkpoint,
-    make_module,
-    make_trainer,
-    prepare,
-)
+from attnlab.rundir import archive_previous, run_metrics
+from attnlab.train import fit, make_module, make_trainer, prepare
 from conftest import make_pairs
 
 TINY = {
@@ -72,6 +65,15 @@ def read_metrics(path: Path) -> dict[str, dict[int, list[float]]]:
             for k, v in row.items():
                 if k not in ("step", "epoch") and v:
                     out.setdefault(k, {}).setdefault(int(row["step"]), []).append(float(v))
+    return out
+
+
+def read_run(run_dir: Path) -> dict[str, dict[int, list[float]]]:
+    """read_metrics over a run's attempts (a resumed run's earlier ones are kept as metrics.partK.csv)."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for col, points in run_metrics(run_dir).items():
+        for step, value in points:
+            out.setdefault(col, {}).setdefault(step, []).append(value)
     return out
 
 
@@ -300,14 +302,16 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     assert watch["signalled_after"] < stopped < steps, (watch, stopped)  # saved on SIGTERM, not at an interval
     assert (cut_dir / "checkpoints" / f"step={stopped}.ckpt").is_file()
     assert stopped % per_epoch != 0, f"killed at an epoch boundary (step {stopped}); the test wants mid-epoch"
-    assert last["callbacks"]["ResumePoint"] == {"epoch": stopped // per_epoch, "batches": stopped % per_epoch}
+    # the exact-resume position is the datamodule's state: the epoch and the batches of it trained
+    assert last["TranslationDataModule"] == {"epoch": stopped // per_epoch, "batches": stopped % per_epoch}
     partial = read_metrics(cut_dir / "logs" / "metrics.csv")
     assert max(partial["train/loss"]) == stopped - 1
 
     assert main(["fit", "-c", str(recipe), "--trainer.run_name", "cut", "--ckpt_path", "last"]) == 0
+    assert (cut_dir / "logs" / "metrics.part0.csv").is_file()  # the first attempt's rows, kept
     full = read_metrics(full_dir / "logs" / "metrics.csv")
-    cut = read_metrics(cut_dir / "logs" / "metrics.csv")
-    assert sorted(cut["train/loss"]) == list(range(steps))  # one history: kept rows + the resumed ones
+    cut = read_run(cut_dir)
+    assert sorted(cut["train/loss"]) == list(range(steps))  # one history: the first attempt + the resumed one
     assert train_rows(cut) == train_rows(full)
     for col in ("val/loss", "val/bleu"):  # a validation cut short by the signal is not logged; the rest match
         assert {s: v for s, v in cut[col].items()} == {s: full[col][s] for s in cut[col]}

@@ -199,18 +199,31 @@ class _EpochHook:
 
 
 class _ShardedBatchSampler:
-    """Common epoch / rank logic. Each `__iter__` uses the current epoch and then advances it, so epochs
-    reshuffle even when nobody calls `set_epoch`; `set_epoch(e)` (Lightning does, every epoch) pins it."""
+    """Common epoch / rank logic. Each `__iter__` draws epoch `self.epoch` and then advances it, so epochs
+    reshuffle even when nobody calls `set_epoch`; `set_epoch(e)` (Lightning does, every epoch) pins it.
+    Exact resume: `resume(epoch, batches)` makes the next iteration that epoch's order from its batch `batches`
+    on (the order is a function of the seed and the epoch, so it continues with exactly the batch the interrupted
+    run would have seen); `current_epoch` is the epoch of the iteration in progress."""
 
     def __init__(self, shuffle: bool, seed: int, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
-        self.epoch = 0
+        self.epoch = 0  # the epoch the next iteration draws
+        self.current_epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) for the next iteration
         self.sampler = _EpochHook(self)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        if self._resume is None:  # a resumed epoch comes from the checkpoint, whenever the loop calls this
+            self.epoch = epoch
+
+    def resume(self, epoch: int, batches: int) -> None:
+        """Start the next iteration after `batches` batches of `epoch` (a checkpoint taken at an epoch's end
+        resumes at the start of the next one)."""
+        if batches >= len(self):
+            epoch, batches = epoch + 1, 0
+        self._resume = (epoch, batches)
 
     def _rng(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch])  # the same on every rank: they agree on the order
@@ -219,8 +232,12 @@ class _ShardedBatchSampler:
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[list[int]]:
+        skip = 0
+        if self._resume is not None:
+            (self.epoch, skip), self._resume = self._resume, None
         epoch, self.epoch = self.epoch, self.epoch + 1
-        for b in shard(self.batches(epoch), self.rank, self.world_size, pad=self.shuffle):
+        self.current_epoch = epoch
+        for b in shard(self.batches(epoch), self.rank, self.world_size, pad=self.shuffle)[skip:]:
             yield b.tolist()
 
     def __len__(self) -> int:

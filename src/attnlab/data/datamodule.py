@@ -134,9 +134,18 @@ def build_tokenizer(cfg: DataConfig, corpus: Corpus, build: bool = True) -> tupl
 # ---------------------------------------------------------------------------------------------
 # Token caches
 # ---------------------------------------------------------------------------------------------
-def _cache_settings(cfg: DataConfig, corpus: Corpus, tok_key: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    return {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity, "tokenizer": tok_key,
-            **cfg.settings(keys)}
+def _cache_target(cfg: DataConfig, corpus: Corpus, tok_key: str, keys: tuple[str, ...], kind: str, build: bool
+                  ) -> tuple[dict[str, Any], Path, bool]:
+    """(settings, folder, whether a valid cache is already there) of a token cache; NotBuiltError when it is
+    missing and this process may not build it."""
+    settings = {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity, "tokenizer": tok_key,
+                **cfg.settings(keys)}
+    final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}{kind}-{settings_hash(settings)}"
+    if cache_is_valid(final, settings):
+        return settings, final, True
+    if not build:
+        raise _not_built("token cache", final)
+    return settings, final, False
 
 
 def _check_splits(counts: dict[str, Counter], corpus: Corpus, key: str) -> None:
@@ -155,12 +164,9 @@ def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok
     """Encode every split into memory-mapped arrays. Training pairs that are too long or too unbalanced are
     dropped (Moses clean-corpus-n, on token counts); eval pairs are kept whole (BLEU needs the full test set)
     and only their token ids are cut to max_len. Pairs with an empty side are dropped everywhere."""
-    settings = _cache_settings(cfg, corpus, tok_key, CACHE_KEYS)
-    final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-{settings_hash(settings)}"
-    if cache_is_valid(final, settings):
+    settings, final, ready = _cache_target(cfg, corpus, tok_key, CACHE_KEYS, "", build)
+    if ready:
         return final
-    if not build:
-        raise _not_built("token cache", final)
     t0 = time.perf_counter()
     dtype = token_dtype(max(tok.vocab_size, tok.src_vocab_size))
     counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
@@ -218,12 +224,9 @@ def build_translation_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok
 
 def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str, build: bool = True) -> Path:
     """Encode documents into one stream per split, each document followed by EOS."""
-    settings = _cache_settings(cfg, corpus, tok_key, TOKENIZER_KEYS)
-    final = Path(cfg.data_dir) / f"{_slug(cfg.corpus)}-lm-{settings_hash(settings)}"
-    if cache_is_valid(final, settings):
+    settings, final, ready = _cache_target(cfg, corpus, tok_key, TOKENIZER_KEYS, "-lm", build)
+    if ready:
         return final
-    if not build:
-        raise _not_built("token cache", final)
     t0 = time.perf_counter()
     counts: dict[str, Counter] = {s: Counter() for s in SPLITS}
     with atomic_dir(final) as tmp:
@@ -265,6 +268,8 @@ class _DataModule(L.LightningDataModule):
         self._tokenizer: Tokenizer | None = None
         self.cache_dir: Path | None = None
         self.manifest: dict[str, Any] = {}
+        self._train_sampler: Any = None  # the batch sampler of the last train loader made
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint, for the next one
 
     # -- building -------------------------------------------------------------------------------
     def _open_corpus(self) -> Corpus:
@@ -348,21 +353,45 @@ class _DataModule(L.LightningDataModule):
         return 0, 1
 
     def _loader(self, dataset: Any, sampler: Any, collate: Any) -> DataLoader:
+        """A loader with its own generator: without one, every new iterator (each validation, each epoch) would
+        take a draw from the global torch RNG, and dropout after a resume would differ from the run it resumes."""
         w = self.cfg.num_workers
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=w,
-                          pin_memory=torch.cuda.is_available(), persistent_workers=w > 0)
+                          pin_memory=torch.cuda.is_available(), persistent_workers=w > 0,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
         raise NotImplementedError
 
     def train_dataloader(self) -> DataLoader:
-        return self._split_loader("train", True)
+        loader = self._split_loader("train", True)
+        self._train_sampler = loader.batch_sampler
+        if self._resume_at is not None:
+            self._train_sampler.resume(*self._resume_at)
+            self._resume_at = None
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._split_loader("valid", False)
 
     def test_dataloader(self) -> DataLoader:
         return self._split_loader("test", False)
+
+    # -- exact resume ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """What Lightning keeps in every checkpoint for this datamodule: the epoch being trained and how many of its
+        batches the loop has taken (Lightning's own counter). Lightning alone would restart a resumed epoch's data
+        from its first batch (its loaders are not resumable); `load_state_dict` makes the next train loader
+        continue where the checkpoint left it."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or self._train_sampler is None:
+            return {}
+        return {"epoch": self._train_sampler.current_epoch,
+                "batches": trainer.fit_loop.epoch_loop.batch_progress.current.ready}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state:
+            self._resume_at = (int(state["epoch"]), int(state["batches"]))
 
     def _array(self, name: str) -> TokenArray:
         self.setup()
