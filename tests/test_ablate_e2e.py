@@ -12,8 +12,10 @@ import pytest
 from optuna.trial import TrialState
 
 import attnlab.data
-from attnlab.ablate import connect, load_spec, plot, run_study, write_table
-from attnlab.ablate.runner import Options
+from attnlab.ablate.report import plot, write_table
+from attnlab.ablate.runner import Options, run_study
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {

@@ -19,8 +19,12 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from attnlab.ablate import Options, format_status, load_spec, main, plot, point_states, run_study, write_table
-from attnlab.ablate.runner import connect, prepare_study, worker_command
+from attnlab.ablate.report import plot, write_table
+from attnlab.ablate.runner import Options, run_study, worker_command
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect, format_status, point_states, prepare_study
+from attnlab.cli import main
+from attnlab.rundir import keep_metrics, run_metrics
 
 TESTS = Path(__file__).resolve().parent
 FAKE = "test_ablate_runner:fake_fit"
@@ -170,9 +174,8 @@ def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_e
     spec = load_spec(write_study(tmp_path, GRID_4x2))
     study_dir = tmp_path / "study"
     study_dir.mkdir()
-    cmd = [sys.executable, "-c", "import sys; from attnlab.ablate import main; sys.exit(main())", "ablate",
-           "worker", str(spec.path), "--dir", str(study_dir), "--fit", FAKE, "--heartbeat", "1", "--grace", "5",
-           "--poll", "0.2"]
+    cmd = [sys.executable, "-m", "attnlab", "ablate", "worker", str(spec.path), "--dir", str(study_dir), "--fit", FAKE,
+           "--heartbeat", "1", "--grace", "5", "--poll", "0.2"]
     procs = [subprocess.Popen(cmd) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     starts, _ = read_calls(study_dir)
@@ -188,7 +191,7 @@ def test_a_worker_killed_mid_trial_is_detected_and_its_point_resumed(tmp_path, w
     study_dir = tmp_path / "study"
     h = prepare_study(spec, study_dir)
     env = {**os.environ, "FAKE_SLEEP": "120"}  # this worker hangs in its first trial
-    victim = subprocess.Popen(worker_command(h, FAST), env=env)
+    victim = subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, FAST), env=env)
     try:
         deadline = time.time() + 60
         while time.time() < deadline and not read_calls(study_dir)[0]:
@@ -310,14 +313,12 @@ def test_plot_from_stored_trials(tmp_path):
 
 
 def test_a_resumed_runs_curve_joins_the_metrics_of_its_attempts(tmp_path):
-    """Lightning's CSVLogger rewrites metrics.csv on resume; the runner keeps the earlier part and joins them."""
-    from attnlab.ablate.runner import keep_metrics, run_curves
-
+    """Lightning's CSVLogger starts metrics.csv afresh on resume; fit keeps the earlier part, run_metrics joins them."""
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "metrics.csv").write_text("epoch,step,val/loss\n0,99,3.0\n0,199,2.5\n0,299,2.4\n")
     keep_metrics(tmp_path)
     (logs / "metrics.csv").write_text("epoch,step,val/loss,train/loss\n0,199,2.6,\n0,299,2.2,\n0,300,,1.9\n")
-    curves = run_curves(tmp_path)
+    curves = run_metrics(tmp_path)
     assert curves["val/loss"] == [(99, 3.0), (199, 2.6), (299, 2.2)] and curves["train/loss"] == [(300, 1.9)]
     assert (logs / "metrics.part0.csv").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.ablate import load_spec
+from attnlab.ablate.spec import load_spec
 from attnlab.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+import attnlab.cli
 from attnlab.cli import main
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import load_module, translate_lines
@@ -148,16 +149,14 @@ def test_generate_samples_from_an_lm_checkpoint_conditioned_on_the_document_sepa
     assert first.startswith("der Hund") and len(first) > len("der Hund\n")
     assert main(argv) == 0 and capsys.readouterr().out == first  # seeded: reproducible
 
-    import attnlab.decode
-
     seen = {}
-    real = attnlab.decode.generate
+    real = attnlab.cli.generate
 
     def spy(model, prompt, **kw):
         seen["prompt"], seen["eos_id"] = prompt.tolist(), kw["eos_id"]
         return real(model, prompt, **kw)
 
-    monkeypatch.setattr(attnlab.decode, "generate", spy)
+    monkeypatch.setattr(attnlab.cli, "generate", spy)
     assert main(argv) == 0
     # LM training data is documents each followed by EOS (never BOS): a prompt starts after an EOS
     assert seen["prompt"] == [[tok.eos_id] + tok.encode("der Hund", side="tgt")] and seen["eos_id"] == tok.eos_id

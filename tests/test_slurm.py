@@ -27,8 +27,11 @@ import torch
 from optuna.trial import TrialState
 
 from attnlab import cli
-from attnlab.ablate import connect, load_spec, main, write_table
-from attnlab.ablate.slurm import Resources, check_path, check_study_name, render, time_seconds
+from attnlab.ablate.report import write_table
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect
+from attnlab.cli import main
+from attnlab.launch.slurm import Resources, check_path, check_study_name, render, time_seconds
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -83,7 +86,7 @@ def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path, monkeypatch,
                      "--mem", "8G"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --mem=8G" in script
-    assert "-m attnlab.ablate.slurm task" in script and not (tmp_path / "runs").exists()
+    assert "-m attnlab.launch.job task" in script and not (tmp_path / "runs").exists()
 
 
 def test_without_slurm_and_without_root_the_cluster_tests_skip_saying_why(monkeypatch):

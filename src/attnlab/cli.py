@@ -15,13 +15,23 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning  # noqa: F401  (imported before logging is set up: see quiet_third_party)
+import torch
+
+from .ablate.commands import add_ablate_commands, cmd_ablate
+from .bleu import compound_split_bleu, read_pair
+from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
 from .config import ConfigError, ModelConfig, load_yaml
+from .decode import generate
+from .evaluate import load_module, load_tokenizer, run_dir_of, score, translate_lines
+from .experiment import load_experiment, parse_value
+from .launch.slurm import add_slurm_args, submit_fit
+from .models.accounting import count_parameters, training_flops
+from .train import fit, make_trainer, prepare
 
 
 def parse_overrides(rest: list[str]) -> dict[str, Any]:
     """`--section.key value` or `--section.key=value` pairs; values parsed as YAML scalars."""
-    from .experiment import parse_value
-
     out: dict[str, Any] = {}
     i = 0
     while i < len(rest):
@@ -64,8 +74,6 @@ def info_config(path: str) -> tuple[ModelConfig, str, str | None]:
     if not any(k in raw for k in ("model", "data", "base")):
         cfg = ModelConfig.from_dict(raw)
         return cfg, f"model.vocab_size={cfg.vocab_size:,}", None
-    from .experiment import load_experiment
-
     exp = load_experiment(path)
     changes: dict[str, Any] = {"vocab_size": exp.data.vocab_size, "src_vocab_size": 0}  # as resolve_model
     if exp.task == "lm":
@@ -79,8 +87,6 @@ def info_config(path: str) -> tuple[ModelConfig, str, str | None]:
 def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list[str]:
     """Lines comparing `total` with the published count of recipe `name` (none if it has none): the difference,
     the embedding-table size the published figure implies, and the count with the publication's table size."""
-    from .models.accounting import count_parameters
-
     if name not in PUBLISHED_PARAMS:
         return []
     published, where, rows, known = PUBLISHED_PARAMS[name]
@@ -102,8 +108,6 @@ def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .models.accounting import count_parameters, training_flops
-
     cfg, vocab_from, recipe = info_config(args.config)
     counts = count_parameters(cfg)
     total = counts.pop("total")
@@ -125,13 +129,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from .experiment import load_experiment
-    from .train import fit
-
     exp = load_experiment(args.config, overrides)
-    if args.slurm:  # submit the same run as a SLURM job instead (attnlab.ablate.slurm)
-        from .ablate.slurm import submit_fit
-
+    if args.slurm:  # submit the same run as a SLURM job instead (attnlab.launch.slurm)
         return submit_fit(exp, args)
     t0 = time.perf_counter()
     run_dir = fit(exp, ckpt_path=args.ckpt_path)
@@ -142,10 +141,6 @@ def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """validate / test: loss and perplexity on the split; for translation also beam-search BLEU and chrF
     on the split's real text (sacreBLEU, with its signature)."""
-    from .evaluate import load_module, score, translate_lines
-    from .experiment import load_experiment
-    from .train import check_compatible, load_checkpoint, make_trainer, prepare
-
     exp = load_experiment(args.config, overrides)
     dm, exp = prepare(exp)
     check_compatible(load_checkpoint(args.ckpt), exp.model, args.ckpt)
@@ -175,11 +170,6 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """The main job: fit, average the last checkpoints, decode the test split with beam search, score."""
-    from .decode import average_checkpoints, last_checkpoints
-    from .evaluate import load_module, score, translate_lines
-    from .experiment import load_experiment
-    from .train import fit, prepare
-
     exp = load_experiment(args.config, overrides)
     if exp.task != "translation":
         raise ConfigError(f"{args.config}: attnlab demo runs a translation recipe (model.arch=encoder_decoder)")
@@ -217,8 +207,6 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from .evaluate import load_module, load_tokenizer, run_dir_of, translate_lines
-
     module = load_module(args.ckpt)
     if not isinstance(module.model_cfg, ModelConfig) or module.model_cfg.arch != "encoder_decoder":
         raise ConfigError(f"{args.ckpt} is not a translation model (model.arch={module.model_cfg.arch})")
@@ -240,11 +228,6 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    import torch
-
-    from .decode import generate
-    from .evaluate import load_module, load_tokenizer, run_dir_of
-
     module = load_module(args.ckpt)
     if module.model_cfg.arch != "decoder_only":
         raise ConfigError(f"{args.ckpt} is not a language model (model.arch={module.model_cfg.arch}); "
@@ -261,8 +244,6 @@ def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from .decode import average_checkpoints, last_checkpoints
-
     if not args.ckpts and not args.run_dir:
         raise ConfigError("attnlab average needs --run_dir (its last --last checkpoints) or --ckpts a.ckpt b.ckpt ...")
     paths = args.ckpts or [str(p) for p in last_checkpoints(Path(args.run_dir) / "checkpoints", args.last)]
@@ -279,9 +260,6 @@ def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 def cmd_bleu(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """sacreBLEU and chrF of a hypothesis file against a reference file (detokenised text, one sentence a line);
     with --compound-split also the 2017 papers' tokenised BLEU with compound splitting (attnlab.bleu)."""
-    from .bleu import compound_split_bleu, read_pair
-    from .evaluate import score
-
     hyps, refs = read_pair(args.hyp, args.ref)
     result: dict[str, Any] = score(hyps, refs)
     print(f"sacreBLEU (detokenised): {result['bleu_detail']}\n  signature: {result['bleu_signature']}")
@@ -308,8 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     fit_p.add_argument("-c", "--config", required=True)
     fit_p.add_argument("--ckpt_path", default=None, help="'last' resumes the run's last checkpoint, or a path")
     fit_p.add_argument("--slurm", action="store_true", help="submit this run as a SLURM job (sbatch) instead")
-    from .ablate.slurm import add_slurm_args
-
     add_slurm_args(fit_p)
     for name in ("validate", "test"):
         e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split")
@@ -342,16 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     avg.add_argument("--last", type=int, default=5)
     avg.add_argument("--ckpts", nargs="*", default=None)
     avg.add_argument("--out", default=None)
-    from .ablate import add_ablate_commands
-
     add_ablate_commands(sub)
     return p
-
-
-def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from .ablate import cmd_ablate as run
-
-    return run(args, overrides)
 
 
 COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_demo, "validate": cmd_eval,
@@ -359,24 +327,21 @@ COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_
             "bleu": cmd_bleu}
 
 
-def quiet_third_party(verbose: bool, trains: bool) -> None:
+def quiet_third_party(verbose: bool) -> None:
     """attnlab's own INFO lines; Lightning's banners (accelerator, tips) only with -v, and each line once.
 
-    Lightning adds its own INFO handler to the `lightning` logger when imported (and resets its level), so it
-    is imported here first, for the commands that train, and its handler removed: its lines then go through
-    the root handler, at WARNING unless -v. Two warnings it raises on every run say nothing actionable here:
-    `srun is available but not used` on any machine with SLURM installed (a SLURM job runs under srun), and a
+    Lightning adds its own INFO handler to the `lightning` logger when imported (and resets its level); it is
+    imported at the top of this module, and its handler is removed here: its lines then go through the root
+    handler, at WARNING unless -v. Two warnings it raises on every run say nothing actionable here: `srun is
+    available but not used` on any machine with SLURM installed (a SLURM job runs under srun), and a
     deprecation inside Lightning's own pytree helper."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
     logging.getLogger("attnlab").setLevel(logging.INFO)
-    if trains:
-        import lightning  # noqa: F401  (see the docstring)
-
-        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-            lg = logging.getLogger(name)
-            lg.handlers.clear()
-            lg.propagate = True
-            lg.setLevel(logging.INFO if verbose else logging.WARNING)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lg = logging.getLogger(name)
+        lg.handlers.clear()
+        lg.propagate = True
+        lg.setLevel(logging.INFO if verbose else logging.WARNING)
     if not verbose:
         warnings.filterwarnings("ignore", message=r".*`srun` command is available on your system but is not used")
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -385,7 +350,7 @@ def quiet_third_party(verbose: bool, trains: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    quiet_third_party(args.verbose, trains=args.command in ("fit", "validate", "test", "demo", "ablate"))
+    quiet_third_party(args.verbose)
     try:
         overrides = parse_overrides(rest)
         if overrides and args.command not in ("fit", "validate", "test", "demo", "ablate"):

@@ -16,7 +16,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from .runner import DONE, FAILED, INVALID, StudyHandle, point_states
+from .study import DONE, FAILED, INVALID, StudyHandle, point_states
 
 
 @dataclass

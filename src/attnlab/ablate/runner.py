@@ -28,8 +28,6 @@ the point has fewer than 1 + retries failed (error or lost) attempts.
 
 from __future__ import annotations
 
-import csv
-import importlib
 import logging
 import math
 import os
@@ -39,29 +37,41 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
-from optuna.trial import FrozenTrial, TrialState
+from optuna.storages import BaseStorage
+from optuna.storages.journal import JournalFileOpenLock
+from optuna.trial import TrialState
 
-from ..config import ConfigError, load_yaml
+from ..checkpoints import latest_checkpoint
+from ..config import ConfigError, ModelConfig, load_yaml
 from ..experiment import Experiment
-from .slurm import job_identity, latest_checkpoint
-from .spec import AblationSpec, fmt, load_spec, short_key
+from ..launch.job import DEFAULT_FIT, FitFn, job_identity, resolve_fit
+from ..models.accounting import count_parameters
+from ..rundir import run_metrics
+from .spec import AblationSpec, fmt, short_key
+from .study import (
+    DONE,
+    INVALID,
+    PENDING,
+    RUNNING,
+    STALE,
+    PointState,
+    StudyHandle,
+    point_states,
+    prepare_study,
+    status_counts,
+    trial_status,
+)
 
 log = logging.getLogger("attnlab.ablate")
-
-DEFAULT_FIT = "attnlab.train:fit"
-DONE, INVALID, RUNNING, STALE, FAILED, PENDING = "done", "invalid", "running", "stale", "failed", "pending"
-FitFn = Callable[..., Any]  # fit(exp, ckpt_path=None) -> run directory
 
 
 @dataclass
@@ -76,124 +86,6 @@ class Options:
     linger: bool = True  # wait while other workers' points run (one may be lost); SLURM workers exit instead
 
 
-@dataclass
-class StudyHandle:
-    spec: AblationSpec
-    dir: Path
-    url: str
-    storage: BaseStorage
-    study: optuna.Study
-    study_id: int
-
-
-@dataclass
-class PointState:
-    point_id: str
-    variant: str
-    seed: int
-    status: str
-    trials: list[FrozenTrial] = field(default_factory=list)
-    attempts: int = 0  # failed attempts that count against `retries` (error, lost)
-
-    @property
-    def result(self) -> FrozenTrial | None:
-        return next((t for t in self.trials if t.state == TrialState.COMPLETE), None)
-
-    @property
-    def reason(self) -> str:
-        for t in reversed(self.trials):
-            text = t.user_attrs.get("reason") or t.user_attrs.get("error")
-            if text:
-                return str(text)
-        return ""
-
-
-# ---------------------------------------------------------------------------------------------- storage
-def default_study_dir(spec: AblationSpec) -> Path:
-    """<base trainer.runs_dir>/ablations/<name>, e.g. runs/ablations/block_variants."""
-    return Path(spec.experiment({}).trainer.runs_dir) / "ablations" / spec.name
-
-
-def storage_url(study_dir: Path, storage: str | None) -> str:
-    """SQLite in the study directory unless given: an optuna storage URL, or a journal file path."""
-    if storage and "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
-        return str(Path(storage.removeprefix("journal:")).resolve())
-    return storage or f"sqlite:///{(study_dir / 'study.db').resolve()}"
-
-
-def open_storage(url: str) -> BaseStorage:
-    if "://" not in url:  # a journal file (shared file systems: one appended log, O_EXCL lock)
-        path = Path(url).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
-    if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
-        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-    return RDBStorage(url)
-
-
-def quiet_optuna() -> None:
-    import warnings
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-
-
-def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None) -> StudyHandle:
-    """Create (or open) the study and record the spec in it; call once before starting workers."""
-    quiet_optuna()
-    study_dir = (study_dir or default_study_dir(spec)).resolve()
-    study_dir.mkdir(parents=True, exist_ok=True)
-    url = storage_url(study_dir, storage)
-    for attempt in range(3):  # two `run`s creating one SQLite schema at once: the loser retries
-        try:
-            st = open_storage(url)
-            study = optuna.create_study(storage=st, study_name=spec.name, load_if_exists=True,
-                                        direction="maximize" if spec.direction == "max" else "minimize")
-            break
-        except Exception:
-            if attempt == 2:
-                raise
-            time.sleep(1.0 + attempt)
-    baseline = spec.baseline()
-    study.set_user_attr("spec", spec.to_dict())
-    study.set_user_attr("baseline", baseline.key if baseline else None)
-    if not spec.is_search:
-        study.set_user_attr("variants", [{"key": v.key, "name": v.name} for v in spec.variants()])
-    info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
-    (study_dir / "study.yaml").write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
-    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
-
-
-def connect(spec: AblationSpec, study_dir: Path, storage: str | None = None) -> StudyHandle:
-    """Open an existing study (workers, status, reports)."""
-    quiet_optuna()
-    study_dir = study_dir.resolve()
-    url = storage_url(study_dir, storage)
-    st = open_storage(url)
-    try:
-        study = optuna.load_study(study_name=spec.name, storage=st)
-    except KeyError:
-        raise ConfigError(f"no study {spec.name!r} in {url}; run `attnlab ablate run {spec.path}` first") from None
-    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
-
-
-def open_study(ref: str | Path, storage: str | None = None, study_dir: str | Path | None = None) -> StudyHandle:
-    """A study from an ablation file or a study directory (which holds study.yaml, written by `run`)."""
-    ref = Path(ref)
-    if ref.is_dir():
-        info_path = ref / "study.yaml"
-        if not info_path.exists():
-            raise ConfigError(f"{ref} is not a study directory (no study.yaml); give the ablation file instead")
-        info = load_yaml(info_path)
-        return connect(load_spec(info["spec"]), ref, storage or info["storage"])
-    spec = load_spec(ref)
-    sdir = Path(study_dir) if study_dir else default_study_dir(spec)
-    info_path = sdir / "study.yaml"
-    if storage is None and info_path.exists():
-        storage = load_yaml(info_path)["storage"]
-    return connect(spec, sdir, storage)
-
-
 @contextmanager
 def claim_lock(study_dir: Path) -> Iterator[None]:
     lock = JournalFileOpenLock(str(study_dir / "claim"), grace_period=30)
@@ -202,45 +94,6 @@ def claim_lock(study_dir: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
-
-
-# ---------------------------------------------------------------------------------------------- state
-def trial_status(t: FrozenTrial, now: float, grace_s: float) -> str:
-    if t.state == TrialState.COMPLETE:
-        return DONE
-    if t.state == TrialState.RUNNING:
-        return STALE if now - float(t.user_attrs.get("heartbeat", 0)) > grace_s else RUNNING
-    if t.state == TrialState.FAIL:
-        return str(t.user_attrs.get("status", "lost"))  # error | invalid | duplicate | interrupted | lost
-    return t.state.name.lower()
-
-
-def point_states(h: StudyHandle, trials: list[FrozenTrial] | None = None, grace_s: float = 120.0
-                 ) -> dict[str, PointState]:
-    """The state of every point: grid points of the spec (in order), or a search's points as trials made them."""
-    trials = h.study.get_trials(deepcopy=False) if trials is None else trials
-    now = time.time()
-    states: dict[str, PointState] = {}
-    if not h.spec.is_search:
-        for p in h.spec.points():
-            states[p.point_id] = PointState(p.point_id, p.variant.name, p.seed, PENDING)
-    for t in sorted(trials, key=lambda t: t.number):
-        pid = t.user_attrs.get("point_id")
-        if pid is None or (pid not in states and not h.spec.is_search):
-            continue  # not a point of this file (an axis value since removed)
-        if pid not in states:
-            states[pid] = PointState(pid, str(t.user_attrs.get("variant")), int(t.user_attrs.get("seed", 0)), PENDING)
-        states[pid].trials.append(t)
-    for s in states.values():
-        kinds = [trial_status(t, now, grace_s) for t in s.trials]
-        s.attempts = sum(k in ("error", "lost") for k in kinds)
-        for status in (DONE, INVALID, RUNNING, STALE):
-            if status in kinds:
-                s.status = status
-                break
-        else:
-            s.status = FAILED if s.attempts > h.spec.retries else PENDING
-    return states
 
 
 def fail_stale(h: StudyHandle, grace_s: float) -> int:
@@ -412,60 +265,9 @@ def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, A
     return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}"))
 
 
-def resolve_fit(fit: str | FitFn) -> FitFn:
-    if callable(fit):
-        return fit
-    module, _, name = fit.partition(":")
-    if not name:
-        raise ConfigError(f"--fit {fit!r}: expected module:function, e.g. {DEFAULT_FIT}")
-    return getattr(importlib.import_module(module), name)
-
-
-def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every logged column of a Lightning CSVLogger metrics.csv as (step, value) pairs, in step order."""
-    curves: dict[str, list[tuple[int, float]]] = {}
-    with open(csv_path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            if not row.get("step"):
-                continue
-            step = int(float(row["step"]))
-            for k, v in row.items():
-                if k not in ("step", "epoch") and v not in ("", None):
-                    curves.setdefault(k, []).append((step, float(v)))
-    return {k: sorted(v, key=lambda x: x[0]) for k, v in curves.items()}
-
-
-def keep_metrics(run_dir: Path) -> None:
-    """Before a resume: Lightning's CSVLogger rewrites metrics.csv from the resumed step on, so keep the
-    earlier attempt's file as metrics.part<k>.csv; `run_curves` joins the parts back into one curve."""
-    csv_path = run_dir / "logs" / "metrics.csv"
-    if csv_path.exists():
-        k = len(list(csv_path.parent.glob("metrics.part*.csv")))
-        csv_path.rename(csv_path.parent / f"metrics.part{k}.csv")
-
-
-def run_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every column of a run's metrics, earlier attempts' parts first; a later part replaces from its first step."""
-    logs = run_dir / "logs"
-    parts = sorted(logs.glob("metrics.part*.csv"), key=lambda p: int(p.stem.removeprefix("metrics.part")))
-    if (logs / "metrics.csv").exists():
-        parts.append(logs / "metrics.csv")
-    if not parts:
-        raise FileNotFoundError(f"{logs / 'metrics.csv'}: the run wrote no metrics")
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for part in parts:
-        for k, points in read_metrics(part).items():
-            start = points[0][0]
-            curves[k] = [p for p in curves.get(k, []) if p[0] < start] + points
-    return curves
-
-
 def collect(run_dir: Path, exp: Experiment, metric: str) -> dict[str, Any]:
     """What a finished run reports: the metric's last value, its curve, every val/ curve, params, tokens/s."""
-    from ..config import ModelConfig
-    from ..models.accounting import count_parameters
-
-    curves = run_curves(run_dir)
+    curves = run_metrics(run_dir)
     csv_path = run_dir / "logs" / "metrics.csv"
     if not curves.get(metric):
         raise ValueError(f"{metric} was never logged in {csv_path} (columns: {sorted(curves)}); "
@@ -498,8 +300,6 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
         run_dir = exp.run_dir()
         ckpt = latest_checkpoint(run_dir)  # last.ckpt, or a newer hpc_ckpt_N.ckpt saved on SLURM's USR1
         resume = ckpt is not None
-        if resume:
-            keep_metrics(run_dir)
         for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
                      "resumed_from": str(ckpt) if ckpt else None}.items():
             h.storage.set_trial_user_attr(claim.trial_id, k, v)
@@ -547,14 +347,15 @@ def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     return n
 
 
-def worker_command(h: StudyHandle, opts: Options) -> list[str]:
-    """The command line of one worker process (what --workers N starts N times, and SLURM tasks run)."""
-    cmd = [sys.executable, "-c", "import sys; from attnlab.ablate import main; sys.exit(main())", "ablate", "worker",
-           str(h.spec.path), "--dir", str(h.dir), "--storage", h.url, "--fit", opts.fit,
-           "--heartbeat", str(opts.heartbeat_s), "--grace", str(opts.grace_s), "--poll", str(opts.poll_s)]
+def worker_command(spec_path: Path, study_dir: Path, storage: str, opts: Options, srun: bool = False) -> list[str]:
+    """The command line of one worker process: what `ablate run --workers N` starts N times, and what each
+    task of an `ablate submit` array job runs (`srun`: trials as srun steps; exit when nothing is pending)."""
+    cmd = [sys.executable, "-m", "attnlab", "ablate", "worker", str(spec_path), "--dir", str(study_dir),
+           "--storage", storage, "--fit", opts.fit, "--heartbeat", str(opts.heartbeat_s), "--grace", str(opts.grace_s),
+           "--poll", str(opts.poll_s)]
     if opts.max_trials is not None:
         cmd += ["--max-trials", str(opts.max_trials)]
-    return cmd
+    return cmd + (["--srun", "--no-linger"] if srun else [])
 
 
 def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None, workers: int = 1,
@@ -572,7 +373,7 @@ def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | 
             raise ValueError("run_study(workers > 1) starts processes: give the fit as opts.fit='module:function'")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-        procs = [subprocess.Popen(worker_command(h, opts), env=env) for _ in range(workers)]
+        procs = [subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts), env=env) for _ in range(workers)]
         try:
             codes = [p.wait() for p in procs]
         except KeyboardInterrupt:
@@ -586,35 +387,3 @@ def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | 
     return status_counts(h, opts.grace_s)
 
 
-def status_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for s in point_states(h, grace_s=grace_s).values():
-        counts[s.status] = counts.get(s.status, 0) + 1
-    return counts
-
-
-def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
-    """Which points are done, running, failed, invalid, pending; one line each."""
-    states = list(point_states(h, grace_s=grace_s).values())
-    counts = {k: sum(s.status == k for s in states) for k in (DONE, RUNNING, STALE, FAILED, INVALID, PENDING)}
-    total = h.spec.n_trials if h.spec.is_search else len(states)
-    if h.spec.is_search:
-        counts[PENDING] += max(0, h.spec.n_trials - len(states))
-    lines = [f"study {h.spec.name}  ({h.url})  metric {h.spec.metric} ({h.spec.direction})",
-             f"{total} points: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v) + "\n"]
-    width = max([len(s.variant) for s in states] + [7])
-    lines.append(f"{'status':<8}  {'variant':<{width}}  seed  tries  result")
-    for s in states:
-        r = s.result
-        if r is not None:
-            detail = f"{h.spec.metric}={r.value:.4g}  (trial {r.number}, {r.user_attrs.get('wall_s', 0):.0f} s)"
-        elif s.status in (RUNNING, STALE):
-            t = s.trials[-1]
-            detail = f"trial {t.number} on {t.user_attrs.get('worker')}"
-            detail += f" (SLURM job {t.user_attrs['slurm_job']})" if "slurm_job" in t.user_attrs else ""
-            detail += f", last heartbeat {time.time() - float(t.user_attrs.get('heartbeat', 0)):.0f} s ago"
-        else:
-            detail = s.reason.splitlines()[0][:100] if s.reason else ""
-        tries = len([t for t in s.trials if t.user_attrs.get("status") != "duplicate"])
-        lines.append(f"{s.status:<8}  {s.variant:<{width}}  {s.seed:>4}  {tries:>5}  {detail}")
-    return "\n".join(lines)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
@@ -212,8 +213,6 @@ def field_type(dotted: str, where: str) -> Any:
     hints = typing.get_type_hints(SECTIONS[section])
     names = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if name not in names:
-        import difflib
-
         close = difflib.get_close_matches(name, names, n=1)
         hint = f" (did you mean {section}.{close[0]}?)" if close else ""
         raise ConfigError(f"{where}: {dotted} names no config field{hint}")

@@ -1,0 +1,115 @@
+"""The `attnlab ablate` subcommands: run, worker, submit, status, table, plot (added to the attnlab CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from ..launch.job import DEFAULT_FIT, SrunFit, install_worker_signals
+from ..launch.slurm import add_slurm_args, slurm_status
+from .report import plot, write_table
+from .runner import Options, run_study, work
+from .spec import load_spec
+from .study import format_status, open_study, prepare_study
+from .submit import submit_study
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="the ablation file, e.g. ablations/block_variants.yaml")
+    p.add_argument("--dir", default=None, help="study directory (default: <base runs_dir>/ablations/<name>)")
+    p.add_argument("--storage", default=None,
+                   help="optuna storage URL (sqlite:///..., postgresql://...) or a journal file path "
+                        "(default: sqlite <study dir>/study.db)")
+    p.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's heartbeats")
+    p.add_argument("--grace", type=int, default=120,
+                   help="seconds without a heartbeat after which a trial's worker is taken as dead")
+    p.add_argument("--poll", type=float, default=10.0, help="seconds an idle worker waits before looking again")
+    p.add_argument("--fit", default=DEFAULT_FIT, help="module:function that trains (tests use a fake)")
+
+
+def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `ablate run|worker|submit|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
+    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, status, table, plot")
+    sub = ab.add_subparsers(dest="ablate_command", required=True)
+    run = sub.add_parser("run", help="run the missing points of a study with N local workers")
+    _worker_args(run)
+    run.add_argument("--workers", type=int, default=1, help="local worker processes (1: in this process)")
+    worker = sub.add_parser("worker", help="one worker: claim points and run them until none is left")
+    _worker_args(worker)
+    worker.add_argument("--max-trials", type=int, default=None, help="stop after this many trials")
+    worker.add_argument("--srun", action="store_true",
+                        help="inside a SLURM job: run each trial as an srun step, one task per device")
+    worker.add_argument("--no-linger", action="store_true",
+                        help="exit when no point is pending, instead of waiting for other workers' points")
+    submit = sub.add_parser("submit", help="submit the study's workers as a SLURM array job")
+    _worker_args(submit)
+    submit.add_argument("--launcher", choices=("slurm",), default="slurm")
+    submit.add_argument("--workers", type=int, default=None,
+                        help="array tasks, one worker each (default: one per point still to run)")
+    submit.add_argument("--array-parallelism", type=int, default=None, help="at most this many run at once")
+    add_slurm_args(submit)
+    for name, text in (("status", "which points are done, running, failed, invalid, pending"),
+                       ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
+                       ("plot", "curves.png and metric.png from the stored trials")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("study", help="the ablation file, or its study directory")
+        p.add_argument("--dir", default=None, help="study directory when it is not the default")
+        p.add_argument("--storage", default=None, help="storage URL or journal file, when not the one recorded")
+        if name == "status":
+            p.add_argument("--grace", type=int, default=120, help="seconds without heartbeat shown as stale")
+        else:
+            p.add_argument("--out", default=None, help="output directory (default: the study directory)")
+    return ab
+
+
+def _options(args: argparse.Namespace) -> Options:
+    return Options(fit=args.fit, heartbeat_s=args.heartbeat, grace_s=args.grace, poll_s=args.poll,
+                   max_trials=getattr(args, "max_trials", None), linger=not getattr(args, "no_linger", False))
+
+
+def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
+    if overrides:
+        raise ConfigError(f"attnlab ablate takes no --section.key overrides (put them in the file): {list(overrides)}")
+    sub = args.ablate_command
+    if sub == "run":
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers} must be >= 1")
+        spec = load_spec(args.spec)
+        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, _options(args))
+        print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+        print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
+        return 0 if set(counts) <= {"done", "invalid"} else 1
+    if sub == "submit":
+        return submit_study(args)
+    if sub == "worker":
+        install_worker_signals()  # SIGTERM: the trial is recorded as interrupted; USR1: to the trial
+        spec = load_spec(args.spec)
+        h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
+        try:
+            n = work(h, _options(args), SrunFit(args.fit) if args.srun else None)
+        except KeyboardInterrupt as e:
+            logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
+            return 130
+        logging.getLogger("attnlab.ablate").info("worker done: %d trial(s)", n)
+        return 0
+    h = open_study(args.study, args.storage, args.dir)
+    if sub == "status":
+        print(format_status(h, args.grace))
+        jobs = h.dir / "slurm" / "jobs.jsonl"
+        if jobs.exists():
+            print("\n" + slurm_status(jobs))
+        return 0
+    out = Path(args.out) if args.out else None
+    if sub == "table":
+        md, paths = write_table(h, out)
+        print(md)
+        print(f"\nwritten: {', '.join(str(p) for p in paths)}")
+        return 0
+    if sub == "plot":
+        paths = plot(h, out)
+        print(f"written: {', '.join(str(p) for p in paths)}")
+        return 0
+    raise ConfigError(f"unknown ablate command {sub!r}")

@@ -1,0 +1,213 @@
+"""An ablation study in its optuna storage: where it is kept, how it is opened, and the state of every point.
+
+Each grid point is a (variant, seed) with a stable `point_id`; a search's points are made by its trials. A
+trial's state and user attrs (status, heartbeat, worker) say where its point stands: done, invalid, running,
+stale (a worker stopped stamping its heartbeat), failed (more failed attempts than `retries`) or pending.
+runner.py claims and runs points; report.py turns the finished ones into tables and plots.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.trial import FrozenTrial, TrialState
+
+from ..config import ConfigError, load_yaml
+from .spec import AblationSpec, load_spec
+
+DONE, INVALID, RUNNING, STALE, FAILED, PENDING = "done", "invalid", "running", "stale", "failed", "pending"
+
+
+@dataclass
+class StudyHandle:
+    spec: AblationSpec
+    dir: Path
+    url: str
+    storage: BaseStorage
+    study: optuna.Study
+    study_id: int
+
+
+@dataclass
+class PointState:
+    point_id: str
+    variant: str
+    seed: int
+    status: str
+    trials: list[FrozenTrial] = field(default_factory=list)
+    attempts: int = 0  # failed attempts that count against `retries` (error, lost)
+
+    @property
+    def result(self) -> FrozenTrial | None:
+        return next((t for t in self.trials if t.state == TrialState.COMPLETE), None)
+
+    @property
+    def reason(self) -> str:
+        for t in reversed(self.trials):
+            text = t.user_attrs.get("reason") or t.user_attrs.get("error")
+            if text:
+                return str(text)
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def default_study_dir(spec: AblationSpec) -> Path:
+    """<base trainer.runs_dir>/ablations/<name>, e.g. runs/ablations/block_variants."""
+    return Path(spec.experiment({}).trainer.runs_dir) / "ablations" / spec.name
+
+
+def storage_url(study_dir: Path, storage: str | None) -> str:
+    """SQLite in the study directory unless given: an optuna storage URL, or a journal file path."""
+    if storage and "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
+        return str(Path(storage.removeprefix("journal:")).resolve())
+    return storage or f"sqlite:///{(study_dir / 'study.db').resolve()}"
+
+
+def open_storage(url: str) -> BaseStorage:
+    if "://" not in url:  # a journal file (shared file systems: one appended log, O_EXCL lock)
+        path = Path(url).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
+        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    return RDBStorage(url)
+
+
+def quiet_optuna() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None) -> StudyHandle:
+    """Create (or open) the study and record the spec in it; call once before starting workers."""
+    quiet_optuna()
+    study_dir = (study_dir or default_study_dir(spec)).resolve()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    url = storage_url(study_dir, storage)
+    for attempt in range(3):  # two `run`s creating one SQLite schema at once: the loser retries
+        try:
+            st = open_storage(url)
+            study = optuna.create_study(storage=st, study_name=spec.name, load_if_exists=True,
+                                        direction="maximize" if spec.direction == "max" else "minimize")
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+            time.sleep(1.0 + attempt)
+    baseline = spec.baseline()
+    study.set_user_attr("spec", spec.to_dict())
+    study.set_user_attr("baseline", baseline.key if baseline else None)
+    if not spec.is_search:
+        study.set_user_attr("variants", [{"key": v.key, "name": v.name} for v in spec.variants()])
+    info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
+    (study_dir / "study.yaml").write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
+
+
+def connect(spec: AblationSpec, study_dir: Path, storage: str | None = None) -> StudyHandle:
+    """Open an existing study (workers, status, reports)."""
+    quiet_optuna()
+    study_dir = study_dir.resolve()
+    url = storage_url(study_dir, storage)
+    st = open_storage(url)
+    try:
+        study = optuna.load_study(study_name=spec.name, storage=st)
+    except KeyError:
+        raise ConfigError(f"no study {spec.name!r} in {url}; run `attnlab ablate run {spec.path}` first") from None
+    return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
+
+
+def open_study(ref: str | Path, storage: str | None = None, study_dir: str | Path | None = None) -> StudyHandle:
+    """A study from an ablation file or a study directory (which holds study.yaml, written by `run`)."""
+    ref = Path(ref)
+    if ref.is_dir():
+        info_path = ref / "study.yaml"
+        if not info_path.exists():
+            raise ConfigError(f"{ref} is not a study directory (no study.yaml); give the ablation file instead")
+        info = load_yaml(info_path)
+        return connect(load_spec(info["spec"]), ref, storage or info["storage"])
+    spec = load_spec(ref)
+    sdir = Path(study_dir) if study_dir else default_study_dir(spec)
+    info_path = sdir / "study.yaml"
+    if storage is None and info_path.exists():
+        storage = load_yaml(info_path)["storage"]
+    return connect(spec, sdir, storage)
+
+
+# ---------------------------------------------------------------------------------------------- state
+def trial_status(t: FrozenTrial, now: float, grace_s: float) -> str:
+    if t.state == TrialState.COMPLETE:
+        return DONE
+    if t.state == TrialState.RUNNING:
+        return STALE if now - float(t.user_attrs.get("heartbeat", 0)) > grace_s else RUNNING
+    if t.state == TrialState.FAIL:
+        return str(t.user_attrs.get("status", "lost"))  # error | invalid | duplicate | interrupted | lost
+    return t.state.name.lower()
+
+
+def point_states(h: StudyHandle, trials: list[FrozenTrial] | None = None, grace_s: float = 120.0
+                 ) -> dict[str, PointState]:
+    """The state of every point: grid points of the spec (in order), or a search's points as trials made them."""
+    trials = h.study.get_trials(deepcopy=False) if trials is None else trials
+    now = time.time()
+    states: dict[str, PointState] = {}
+    if not h.spec.is_search:
+        for p in h.spec.points():
+            states[p.point_id] = PointState(p.point_id, p.variant.name, p.seed, PENDING)
+    for t in sorted(trials, key=lambda t: t.number):
+        pid = t.user_attrs.get("point_id")
+        if pid is None or (pid not in states and not h.spec.is_search):
+            continue  # not a point of this file (an axis value since removed)
+        if pid not in states:
+            states[pid] = PointState(pid, str(t.user_attrs.get("variant")), int(t.user_attrs.get("seed", 0)), PENDING)
+        states[pid].trials.append(t)
+    for s in states.values():
+        kinds = [trial_status(t, now, grace_s) for t in s.trials]
+        s.attempts = sum(k in ("error", "lost") for k in kinds)
+        for status in (DONE, INVALID, RUNNING, STALE):
+            if status in kinds:
+                s.status = status
+                break
+        else:
+            s.status = FAILED if s.attempts > h.spec.retries else PENDING
+    return states
+
+
+def status_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in point_states(h, grace_s=grace_s).values():
+        counts[s.status] = counts.get(s.status, 0) + 1
+    return counts
+
+
+def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
+    """Which points are done, running, failed, invalid, pending; one line each."""
+    states = list(point_states(h, grace_s=grace_s).values())
+    counts = {k: sum(s.status == k for s in states) for k in (DONE, RUNNING, STALE, FAILED, INVALID, PENDING)}
+    total = h.spec.n_trials if h.spec.is_search else len(states)
+    if h.spec.is_search:
+        counts[PENDING] += max(0, h.spec.n_trials - len(states))
+    lines = [f"study {h.spec.name}  ({h.url})  metric {h.spec.metric} ({h.spec.direction})",
+             f"{total} points: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v) + "\n"]
+    width = max([len(s.variant) for s in states] + [7])
+    lines.append(f"{'status':<8}  {'variant':<{width}}  seed  tries  result")
+    for s in states:
+        r = s.result
+        if r is not None:
+            detail = f"{h.spec.metric}={r.value:.4g}  (trial {r.number}, {r.user_attrs.get('wall_s', 0):.0f} s)"
+        elif s.status in (RUNNING, STALE):
+            t = s.trials[-1]
+            detail = f"trial {t.number} on {t.user_attrs.get('worker')}"
+            detail += f" (SLURM job {t.user_attrs['slurm_job']})" if "slurm_job" in t.user_attrs else ""
+            detail += f", last heartbeat {time.time() - float(t.user_attrs.get('heartbeat', 0)):.0f} s ago"
+        else:
+            detail = s.reason.splitlines()[0][:100] if s.reason else ""
+        tries = len([t for t in s.trials if t.user_attrs.get("status") != "duplicate"])
+        lines.append(f"{s.status:<8}  {s.variant:<{width}}  {s.seed:>4}  {tries:>5}  {detail}")
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""Inside a SLURM job: one srun task of a fit or a trial, the data built once before the step, a worker's
+signals, and which job (and which restart of it) this is.
+
+    python -m attnlab.launch.job prepare CONFIG                      # tokenizer + token caches, once, before srun
+    srun ... python -m attnlab.launch.job task CONFIG [--fit module:function] [--ckpt_path none|last|PATH]
+
+In each task `train.make_trainer` takes devices and num_nodes from SLURM, so Lightning runs DDP across the
+step's tasks. A requeued job (SLURM_RESTART_COUNT > 0) resumes from the run directory's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attnlab
+
+from ..checkpoints import checkpoint_step, latest_checkpoint
+from ..config import ConfigError, load_yaml
+from ..experiment import Experiment, from_raw
+from ..train import make_datamodule
+
+log = logging.getLogger("attnlab.launch")
+
+DEFAULT_FIT = "attnlab.train:fit"  # what a trial or a SLURM task trains with, as module:function
+FitFn = Callable[..., Any]  # fit(exp, ckpt_path=None) -> run directory
+_RUNNING: list[subprocess.Popen] = []  # the srun step of the trial this worker runs now (for USR1)
+
+
+def resolve_fit(fit: str | FitFn) -> FitFn:
+    """A fit function from "module:function" (tests and custom training loops name their own)."""
+    if callable(fit):
+        return fit
+    module, _, name = fit.partition(":")
+    if not name:
+        raise ConfigError(f"--fit {fit!r}: expected module:function, e.g. {DEFAULT_FIT}")
+    return getattr(importlib.import_module(module), name)
+
+
+def job_identity() -> tuple[str, int] | None:
+    """(job key, restart count) inside a SLURM job: `<array job>_<task>` for an array task, else the job id."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    key = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ["SLURM_JOB_ID"]
+    return key, int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def check_code() -> Path:
+    """Where `attnlab` was imported from; with ATTNLAB_CODE set (by the scripts), it must be that snapshot."""
+    here = Path(attnlab.__file__).resolve().parent
+    want = os.environ.get("ATTNLAB_CODE")
+    if want and Path(want).resolve() not in here.parents:
+        raise RuntimeError(f"attnlab was imported from {here}, not from the submission's copy {want}; "
+                           "is PYTHONPATH overridden?")
+    return here
+
+
+def srun_prefix(gpus: bool | None = None) -> list[str]:
+    """srun for one step over the whole allocation. With GPUs every task sees all of its node's GPUs
+    (Lightning picks cuda:<local rank>), rather than only its own as cuda:0."""
+    gpus = bool(os.environ.get("SLURM_GPUS_PER_TASK")) if gpus is None else gpus
+    return ["srun", "--kill-on-bad-exit=1", *(["--gpu-bind=none"] if gpus else [])]
+
+
+def task_command(config: Path, fit: str = DEFAULT_FIT, ckpt_path: str | None = None, gpus: bool | None = None
+                 ) -> list[str]:
+    """The srun step that runs a resolved experiment file: one task per device, each running `fit`."""
+    return [*srun_prefix(gpus), sys.executable, "-m", "attnlab.launch.job", "task", str(config), "--fit", fit,
+            "--ckpt_path", ckpt_path or "none"]
+
+
+def prepare_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "attnlab.launch.job", "prepare", str(config)]
+
+
+def prepare_data(exp: Experiment) -> None:
+    """Tokenizer and token caches built (or found) by this one process before the step starts: otherwise every
+    task of the step builds the same caches at once. Keep data.data_dir on the shared file system."""
+    t0 = time.perf_counter()
+    make_datamodule(exp).prepare_data()
+    log.info("data ready in %.1f s", time.perf_counter() - t0)
+
+
+class SrunFit:
+    """A fit(exp, ckpt_path) for workers inside a SLURM job: the trial runs as an srun step of the job's
+    allocation (one task per device), each task running `inner` (module:function, train.fit by default)."""
+
+    def __init__(self, inner: str) -> None:
+        self.inner = inner
+        check_code()
+
+    def __call__(self, exp: Experiment, ckpt_path: str | None = None) -> Path:
+        run_dir = exp.run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = run_dir / "trial.yaml"
+        tmp = config.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(exp.to_yaml(), encoding="utf-8")
+        tmp.replace(config)
+        if self.inner == DEFAULT_FIT:  # a custom fit prepares its own data
+            prepare_data(exp)
+        proc = subprocess.Popen(task_command(config, self.inner, ckpt_path), stdin=subprocess.DEVNULL)
+        _RUNNING.append(proc)
+        try:
+            code = proc.wait()
+        except BaseException:  # SIGTERM (requeue, cancel, time limit): stop the step, let the runner record it
+            proc.terminate()
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            raise
+        finally:
+            _RUNNING.remove(proc)
+        if code != 0:
+            raise RuntimeError(f"the trial's srun step exited with {code}; see this job's log")
+        return run_dir
+
+
+def install_worker_signals() -> None:
+    """SIGTERM ends a worker like Ctrl-C (its trial is recorded as interrupted, which is no failed attempt);
+    USR1 (sent to the batch shell and passed on by it) goes to the running trial's srun step, whose tasks
+    checkpoint and requeue; between trials the worker requeues its job itself."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def on_usr1(signum: int, frame: Any) -> None:
+        if _RUNNING:
+            log.warning("USR1: passing it on to the trial's srun step (checkpoint and requeue)")
+            for proc in list(_RUNNING):
+                proc.send_signal(signal.SIGUSR1)
+            return
+        me = job_identity()
+        if me is not None:
+            log.warning("USR1 between trials: requeueing job %s", me[0])
+            subprocess.call(["scontrol", "requeue", me[0]])
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+
+def task_main(argv: list[str]) -> int:
+    """One srun task of a trial or a fit: load the resolved config, resume when there is a checkpoint, fit."""
+    p = argparse.ArgumentParser(prog="python -m attnlab.launch.job task")
+    p.add_argument("config", help="a resolved experiment (trial.yaml / config.yaml)")
+    p.add_argument("--fit", default=DEFAULT_FIT, help="module:function with train.fit's signature")
+    p.add_argument("--ckpt_path", default="none",
+                   help="none | last | PATH; in a requeued job (SLURM_RESTART_COUNT > 0) the newest checkpoint")
+    args = p.parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("attnlab").addHandler(handler)  # Lightning prints its own messages once, with its handler
+    logging.getLogger("attnlab").setLevel(logging.INFO)
+    logging.getLogger("attnlab").propagate = False
+    code = check_code()
+    exp = from_raw(load_yaml(Path(args.config)), args.config)
+    run_dir = exp.run_dir()
+    ckpt: str | None = None if args.ckpt_path == "none" else args.ckpt_path
+    me = job_identity()
+    if me is not None and me[1] > 0 and latest_checkpoint(run_dir) is not None:
+        ckpt = str(latest_checkpoint(run_dir))  # a requeued fit continues where its checkpoint left it
+    rank, world = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURM_NTASKS", "1")
+    if rank == "0":
+        path = run_dir / "checkpoints" / "last.ckpt" if ckpt == "last" else Path(ckpt) if ckpt else None
+        what = f"resuming from {path} (global step {checkpoint_step(path)})" if path else "from step 0"
+        print(f"[attnlab task {rank}/{world}] {datetime.datetime.now():%F %T} code {code}; run {run_dir}; {what}",
+              flush=True)
+    resolve_fit(args.fit)(exp, ckpt_path=ckpt)
+    return 0
+
+
+def prepare_main(argv: list[str]) -> int:
+    """`prepare CONFIG`: the data of a resolved experiment, built once in the batch step before srun."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("attnlab").setLevel(logging.INFO)
+    check_code()
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m attnlab.launch.job prepare CONFIG")
+    prepare_data(from_raw(load_yaml(Path(argv[0])), argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    commands = {"task": task_main, "prepare": prepare_main}
+    if sys.argv[1:2] == [] or sys.argv[1] not in commands:
+        sys.exit("usage: python -m attnlab.launch.job task CONFIG [--fit module:function] [--ckpt_path P]\n"
+                 "       python -m attnlab.launch.job prepare CONFIG")
+    sys.exit(commands[sys.argv[1]](sys.argv[2:]))
