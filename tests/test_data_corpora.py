@@ -62,14 +62,40 @@ def test_aligned_tsv_jsonl_give_the_same_pairs(tmp_path, data_pairs):
     pairs = data_pairs[:50]
     (tmp_path / "c.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
     (tmp_path / "c.de").write_text("".join(t + "\r\n" for _, t in pairs), encoding="utf-8")  # CRLF is fine
-    (tmp_path / "c.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs) + "\n", encoding="utf-8")
+    (tmp_path / "t.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs) + "\n", encoding="utf-8")
     (tmp_path / "wmt.jsonl").write_text("".join(json.dumps({"translation": {"de": t, "en": s}}) + "\n"
                                                 for s, t in pairs), encoding="utf-8")
     (tmp_path / "st.jsonl").write_text("".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs),
                                        encoding="utf-8")
-    for spec in ("c", "c.tsv", "wmt.jsonl", "st.jsonl"):
+    for spec in ("c", "t.tsv", "t", "wmt.jsonl", "wmt", "st.jsonl"):
         got = all_pairs(DataConfig(corpus=str(tmp_path / spec)))
         assert sorted(got) == sorted(pairs), spec
+
+
+def test_a_stem_that_names_two_corpora_is_an_error_naming_both(tmp_path, data_pairs):
+    """c/bad.en + c/bad.de beside c/bad.jsonl: which one `data.corpus=c/bad` means is not guessed."""
+    pairs = data_pairs[:5]
+    (tmp_path / "bad.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+    (tmp_path / "bad.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs),
+                                        encoding="utf-8")
+    with pytest.raises(DataError, match="ambiguous") as e:
+        open_parallel(DataConfig(corpus=str(tmp_path / "bad")))
+    for name in ("bad.jsonl", "bad.en", "bad.de"):
+        assert str(tmp_path / name) in str(e.value)
+    assert sorted(all_pairs(DataConfig(corpus=str(tmp_path / "bad.jsonl")))) == sorted(pairs)  # one named: fine
+    (tmp_path / "docs.txt").write_text("a\n\nb\n", encoding="utf-8")
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"ambiguous: .*docs\.jsonl; .*docs\.txt"):
+        open_documents(DataConfig(corpus=str(tmp_path / "docs")))
+
+
+def test_a_stem_resolved_to_a_file_tracks_that_file(tmp_path, data_pairs):
+    """The cache identity of data.corpus=c (read from c.tsv) changes when c.tsv changes."""
+    (tmp_path / "c.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in data_pairs[:5]), encoding="utf-8")
+    before = open_parallel(DataConfig(corpus=str(tmp_path / "c"))).identity
+    (tmp_path / "c.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in data_pairs[:6]), encoding="utf-8")
+    assert open_parallel(DataConfig(corpus=str(tmp_path / "c"))).identity != before
 
 
 def test_split_folder_uses_its_splits(tmp_path, data_pairs):

@@ -2,8 +2,9 @@
 
 from .batching import TokenBatchSampler, WindowBatchSampler, collate_pairs, collate_windows
 from .config import DataConfig
-from .corpora import DataError, gettext_pairs, open_documents, open_parallel
+from .corpora import gettext_pairs, open_documents, open_parallel
 from .datamodule import LMDataModule, TranslationDataModule
+from .readers import DataError
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 __all__ = [

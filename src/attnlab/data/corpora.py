@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -25,15 +24,21 @@ from typing import Any
 from urllib.parse import urlparse
 
 from .config import DataConfig
+from .readers import (
+    DataError,
+    need_file,
+    pair_from_record,
+    read_aligned,
+    read_jsonl_docs,
+    read_jsonl_pairs,
+    read_text_docs,
+    read_tsv,
+)
 
 log = logging.getLogger("attnlab.data")
 
 SPLITS = ("train", "valid", "test")
 SPLIT_ALIASES = {"train": ("train",), "valid": ("valid", "validation", "dev"), "test": ("test",)}
-
-
-class DataError(ValueError):
-    """Bad input data or an unusable corpus. The message names the file and line, or the key, at fault."""
 
 
 @dataclass
@@ -72,122 +77,6 @@ def iter_split(corpus: Corpus, valid_fraction: float, test_fraction: float) -> I
                 yield split_of, ex
             else:
                 yield split, ex
-
-
-# ---------------------------------------------------------------------------------------------
-# Line readers: strict UTF-8 with file:line in every error
-# ---------------------------------------------------------------------------------------------
-def _need_file(path: Path) -> Path:
-    if not path.is_file():
-        raise DataError(f"corpus file not found: {path}")
-    return path
-
-
-def count_lines(path: Path) -> int:
-    """Lines in a file, counting a last line without a newline; reads 1 MiB blocks (fast, flat memory)."""
-    n, last = 0, b"\n"
-    with open(_need_file(path), "rb") as f:
-        while block := f.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
-
-
-def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text without its line terminator); invalid UTF-8 is a DataError naming file:line."""
-    with open(_need_file(path), "rb") as f:
-        for i, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{i}: invalid UTF-8 at byte {e.start}: {raw[max(0, e.start - 20):e.end + 20]!r}"
-                                ) from None
-            yield i, line.rstrip("\r\n")
-
-
-def read_aligned(src_path: Path, tgt_path: Path) -> Iterator[tuple[str, str]]:
-    """Line-aligned parallel files (train.en / train.de): line i of one translates line i of the other."""
-    n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)  # checked before anything is read or trained
-    if n_src != n_tgt:
-        raise DataError(f"parallel files differ in length: {src_path} has {n_src} lines, {tgt_path} has {n_tgt}")
-    for (_, s), (_, t) in zip(read_lines(src_path), read_lines(tgt_path), strict=True):
-        yield s, t
-
-
-def read_tsv(path: Path) -> Iterator[tuple[str, str]]:
-    """`source<TAB>target` per line; empty lines are skipped, any other line needs exactly one tab."""
-    for i, line in read_lines(path):
-        if not line:
-            continue
-        parts = line.split("\t")
-        if len(parts) != 2:
-            what = "no tab" if len(parts) == 1 else f"{len(parts)} tab-separated fields"
-            raise DataError(f"{path}:{i}: expected 'source<TAB>target', found {what}: {line[:80]!r}")
-        yield parts[0], parts[1]
-
-
-def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    for i, line in read_lines(path):
-        if not line.strip():
-            continue
-        try:
-            yield i, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
-
-
-def _pair_from_record(rec: Any, src_lang: str, tgt_lang: str, where: str) -> tuple[str, str]:
-    """{"translation": {src_lang: .., tgt_lang: ..}} (Hugging Face WMT schema) or {"src": .., "tgt": ..}."""
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if "translation" in rec:
-        tr = rec["translation"]
-        if not isinstance(tr, dict):
-            raise DataError(f"{where}: 'translation' must be an object with {src_lang!r} and {tgt_lang!r} keys")
-        for lang in (src_lang, tgt_lang):
-            if lang not in tr:
-                raise DataError(f"{where}: 'translation' has no key {lang!r} (keys: {sorted(tr)})")
-        src, tgt = tr[src_lang], tr[tgt_lang]
-    elif "src" in rec or "tgt" in rec:
-        for key in ("src", "tgt"):
-            if key not in rec:
-                raise DataError(f"{where}: record has no key {key!r}")
-        src, tgt = rec["src"], rec["tgt"]
-    else:
-        raise DataError(f"{where}: expected key 'translation' ({{{src_lang!r}: .., {tgt_lang!r}: ..}}) "
-                        f"or keys 'src' and 'tgt'; found {sorted(rec)}")
-    if not isinstance(src, str) or not isinstance(tgt, str):
-        raise DataError(f"{where}: source and target must be strings, got {type(src).__name__}, "
-                        f"{type(tgt).__name__}")
-    return src, tgt
-
-
-def read_jsonl_pairs(path: Path, src_lang: str, tgt_lang: str) -> Iterator[tuple[str, str]]:
-    for i, rec in _json_lines(path):
-        yield _pair_from_record(rec, src_lang, tgt_lang, f"{path}:{i}")
-
-
-def read_jsonl_docs(path: Path, key: str) -> Iterator[str]:
-    for i, rec in _json_lines(path):
-        if not isinstance(rec, dict) or key not in rec:
-            raise DataError(f"{path}:{i}: record has no key {key!r} (set data.text_field)")
-        if not isinstance(rec[key], str):
-            raise DataError(f"{path}:{i}: {key!r} must be a string, got {type(rec[key]).__name__}")
-        yield rec[key]
-
-
-def read_text_docs(path: Path) -> Iterator[str]:
-    """Plain text for LM: documents are separated by one or more blank lines; a document's lines keep their
-    newlines. A file with one document per line therefore needs blank lines between them (or use JSONL)."""
-    lines: list[str] = []
-    for _, line in read_lines(path):
-        if line.strip():
-            lines.append(line)
-        elif lines:
-            yield "\n".join(lines)
-            lines = []
-    if lines:
-        yield "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +235,7 @@ def _iter_hf_pairs(ds: Any, where: str, src_lang: str, tgt_lang: str) -> Iterato
     for batch in ds.iter(batch_size=1000):  # column batches: much faster than row dicts
         keys = list(batch)
         for i in range(len(batch[keys[0]]) if keys else 0):
-            yield _pair_from_record({k: batch[k][i] for k in ("translation", "src", "tgt") if k in batch},
+            yield pair_from_record({k: batch[k][i] for k in ("translation", "src", "tgt") if k in batch},
                                     src_lang, tgt_lang, f"{where} row {row}")
             row += 1
 
@@ -387,7 +276,7 @@ def _split_files(d: Path, cfg: DataConfig, parallel: bool) -> dict[str, Callable
         for a in aliases:
             opener = _file_opener(d / a, cfg, parallel)
             if opener is not None:
-                streams[split] = opener
+                streams[split] = opener[0]
                 break
     if "train" not in streams:
         kinds = f"train.tsv, train.jsonl or train.{cfg.src_lang} + train.{cfg.tgt_lang}" if parallel \
@@ -396,27 +285,43 @@ def _split_files(d: Path, cfg: DataConfig, parallel: bool) -> dict[str, Callable
     return streams
 
 
-def _file_opener(stem: Path, cfg: DataConfig, parallel: bool) -> Callable[[], Iterator[Any]] | None:
-    """The reader for `stem` as a file (by suffix) or a <stem>.<lang> pair; None when none exists."""
-    src_lang, tgt_lang = cfg.src_lang, cfg.tgt_lang
-    cands = [stem] + [stem.with_name(stem.name + s) for s in (".tsv", ".jsonl", ".json", ".txt")]
-    for p in cands:
-        if not p.is_file():
-            continue
-        if parallel and p.suffix == ".tsv":
-            return lambda p=p: read_tsv(p)
-        if parallel and p.suffix in (".jsonl", ".json"):
-            return lambda p=p: read_jsonl_pairs(p, src_lang, tgt_lang)
-        if not parallel and p.suffix in (".jsonl", ".json"):
-            return lambda p=p: read_jsonl_docs(p, cfg.text_field)
-        if not parallel and p.suffix == ".txt":
-            return lambda p=p: read_text_docs(p)
-    if parallel:
-        a, b = stem.with_name(f"{stem.name}.{src_lang}"), stem.with_name(f"{stem.name}.{tgt_lang}")
-        if a.is_file() or b.is_file():
-            _need_file(a), _need_file(b)
-            return lambda: read_aligned(a, b)
+def _reader(p: Path, cfg: DataConfig, parallel: bool) -> Callable[[], Iterator[Any]] | None:
+    """The reader of one corpus file by its suffix; None for a kind this task does not read."""
+    if parallel and p.suffix == ".tsv":
+        return lambda: read_tsv(p)
+    if parallel and p.suffix in (".jsonl", ".json"):
+        return lambda: read_jsonl_pairs(p, cfg.src_lang, cfg.tgt_lang)
+    if not parallel and p.suffix in (".jsonl", ".json"):
+        return lambda: read_jsonl_docs(p, cfg.text_field)
+    if not parallel and p.suffix == ".txt":
+        return lambda: read_text_docs(p)
     return None
+
+
+Opener = tuple[Callable[[], Iterator[Any]], list[Path]]  # a reader and the files it reads (the cache identity)
+
+
+def _file_opener(stem: Path, cfg: DataConfig, parallel: bool) -> Opener | None:
+    """The reader for `stem`: the file itself (by suffix), else the one of <stem>.tsv / .jsonl / .json / .txt or
+    the <stem>.<src_lang> + <stem>.<tgt_lang> pair that exists; None when none does. Two of them existing is an
+    error naming both: which one was meant is not ours to guess."""
+    if stem.is_file():
+        reader = _reader(stem, cfg, parallel)
+        return (reader, [stem]) if reader is not None else None
+    found: list[Opener] = []
+    for p in (stem.with_name(stem.name + s) for s in (".tsv", ".jsonl", ".json", ".txt")):
+        if p.is_file() and (reader := _reader(p, cfg, parallel)) is not None:
+            found.append((reader, [p]))
+    a, b = stem.with_name(f"{stem.name}.{cfg.src_lang}"), stem.with_name(f"{stem.name}.{cfg.tgt_lang}")
+    if parallel and a.is_file() and b.is_file():
+        found.append((lambda: read_aligned(a, b), [a, b]))
+    elif parallel and (a.is_file() or b.is_file()) and not found:
+        need_file(a), need_file(b)  # one side without the other: an error naming the missing one
+    if len(found) > 1:
+        names = "; ".join(" + ".join(map(str, files)) for _, files in found)
+        raise DataError(f"data.corpus={str(stem)!r} is ambiguous: {names} all match it. Name one file "
+                        f"(e.g. data.corpus={found[0][1][0]}) or remove the others")
+    return found[0] if found else None
 
 
 def open_parallel(cfg: DataConfig) -> Corpus:
@@ -448,8 +353,8 @@ def open_parallel(cfg: DataConfig) -> Corpus:
                             f"<prefix>.{cfg.src_lang} / <prefix>.{cfg.tgt_lang} files")
         raise DataError(f"corpus not found: {path} (no such file or folder, nor {path}.{cfg.src_lang} / "
                         f"{path}.{cfg.tgt_lang})")
-    files = [p for p in (path, Path(f"{spec}.{cfg.src_lang}"), Path(f"{spec}.{cfg.tgt_lang}")) if p.is_file()]
-    return Corpus(spec, "parallel", {"train": opener}, file_identity(files))
+    reader, files = opener
+    return Corpus(spec, "parallel", {"train": reader}, file_identity(files))
 
 
 def open_documents(cfg: DataConfig) -> Corpus:
@@ -487,7 +392,8 @@ def open_documents(cfg: DataConfig) -> Corpus:
         if path.is_file():
             raise DataError(f"corpus file {path}: unknown kind; language modelling reads .txt or .jsonl")
         raise DataError(f"corpus not found: {path}")
-    return Corpus(spec, "documents", {"train": opener}, file_identity([path]))
+    reader, files = opener
+    return Corpus(spec, "documents", {"train": reader}, file_identity(files))
 
 
 def _hf_fingerprints(dsets: dict[str, Any]) -> dict[str, str]:
