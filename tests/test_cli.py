@@ -17,6 +17,7 @@ import yaml
 
 import attnlab.cli
 from attnlab.cli import main
+from attnlab.config import ConfigError
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import load_module, translate_lines
 from conftest import make_pairs
@@ -215,3 +216,132 @@ def test_info_sizes_a_recipe(runs, capsys):
     assert main(["info", str(runs["recipe"])]) == 0
     out = capsys.readouterr().out
     assert "d_model=32" in out and "total" in out
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def test_decoding_picks_cuda_when_there_is_one_and_device_chooses(monkeypatch):
+    from attnlab.evaluate import decode_dtype, pick_device
+
+    assert pick_device() == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device() == torch.device("cuda") and pick_device("cuda:1") == torch.device("cuda:1")
+    assert pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="--device cuda:2: this machine has 2 CUDA device"):
+        pick_device("cuda:2")
+    with pytest.raises(ConfigError, match="--device 'tpu'"):
+        pick_device("tpu")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert decode_dtype(cuda, "auto") == decode_dtype(cuda, "bf16-mixed") == torch.bfloat16
+    assert decode_dtype(cuda, "16-mixed") == torch.float16 and decode_dtype(cuda, "32-true") is None
+    assert decode_dtype(cpu, "auto") is None and decode_dtype(cpu, "bf16-mixed") is None  # fp32 on a CPU
+
+
+def test_translate_and_generate_decode_on_cuda_when_faked_and_on_the_device_given(runs, capsys, monkeypatch):
+    """With CUDA (faked: the decoding itself is stubbed), translate gets cuda and bf16 (the recipe trains with
+    precision auto, which is bf16-mixed on a GPU); --device cpu gives the CPU and fp32."""
+    seen: list[tuple] = []
+    monkeypatch.setattr(attnlab.cli, "translate_lines",
+                        lambda module, tok, lines, beam=None, device=None, dtype=None: seen.append((device, dtype))
+                        or ["x"] * len(lines))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    src = runs["root"] / "one.txt"
+    src.write_text("the red house 5.\n", encoding="utf-8")
+    last = str(runs["mt"] / "checkpoints" / "last.ckpt")
+    assert main(["translate", "--ckpt", last, "--input", str(src)]) == 0
+    assert main(["translate", "--ckpt", last, "--input", str(src), "--device", "cpu"]) == 0
+    assert seen == [(torch.device("cuda"), torch.bfloat16), (torch.device("cpu"), None)]
+    moved = []
+    monkeypatch.setattr(attnlab.cli, "generate", lambda model, prompt, **kw: moved.append(
+        (next(model.parameters()).device, prompt.device, kw["generator"].device)) or prompt.tolist())
+    assert main(["generate", "--ckpt", str(runs["lm"] / "checkpoints" / "last.ckpt"), "--device", "cpu"]) == 0
+    assert moved == [(torch.device("cpu"),) * 3]
+    capsys.readouterr()
+
+
+def test_decoding_under_cpu_bf16_autocast_matches_fp32(runs):
+    """The same model and sentences in fp32 and under bf16 autocast: teacher-forced logits agree to bf16's
+    precision, and greedy decoding gives the same tokens except where fp32 itself nearly ties: at the first token
+    where the two outputs part, fp32 prefers its own token over bf16's by less than bf16's error."""
+    from attnlab.decode import greedy_search
+    from attnlab.evaluate import autocast
+
+    module = load_module(runs["mt"] / "checkpoints" / "last.ckpt")
+    tok = Tokenizer.load(runs["mt"] / "tokenizer")
+    lines = [s for s, _ in make_pairs(200, seed=7)][:100]
+    src = [list(ids) + [module.eos_id] for ids in tok.encode_batch(lines)]
+    ids = torch.tensor([row + [0] * (max(map(len, src)) - len(row)) for row in src])  # (100, S)
+    cpu, model = torch.device("cpu"), module.model
+    with torch.no_grad():
+        fp32 = model(ids, ids[:, :8])
+        with autocast(cpu, torch.bfloat16):
+            bf16 = model(ids, ids[:, :8])
+    assert bf16.dtype == torch.bfloat16
+    err = (bf16.float() - fp32).abs().max()
+    assert err <= 0.03 * fp32.abs().max()
+    plain = greedy_search(model, ids, max_len_b=12)
+    with autocast(cpu, torch.bfloat16):
+        auto = greedy_search(model, ids, max_len_b=12)
+    assert sum(a == b for a, b in zip(plain, auto, strict=True)) >= len(lines) // 2
+    for row, (a, b) in enumerate(zip(plain, auto, strict=True)):
+        if a == b:
+            continue
+        t = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefix = torch.tensor([[module.bos_id] + a[:t]])  # (1, t+1)
+        with torch.no_grad():
+            logits = model(ids[row:row + 1], prefix)[0, -1]  # (V,) fp32, after the shared prefix
+        mine = a[t] if t < len(a) else module.eos_id  # a row that ended takes EOS there
+        theirs = b[t] if t < len(b) else module.eos_id
+        assert -1e-4 <= logits[mine] - logits[theirs] <= 2 * err, (row, t, float(logits[mine] - logits[theirs]))
+
+
+def test_token_batching_gives_the_sentence_batchings_translations(runs):
+    from attnlab.evaluate import token_batches
+
+    module = load_module(runs["mt"] / "checkpoints" / "last.ckpt")
+    tok = Tokenizer.load(runs["mt"] / "tokenizer")
+    lines = [s for s, _ in make_pairs(90, seed=3)] + ["", "open the window 7."]
+    by_sentence = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=64, max_tokens=0)
+    by_tokens = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=64, max_tokens=60)
+    assert by_tokens == by_sentence
+    lengths = [len(ids) + 1 for ids in tok.encode_batch(lines)]
+    batches = token_batches(lengths, 64, 60)
+    assert sorted(i for b in batches for i in b) == list(range(len(lines)))  # each sentence once
+    assert len(batches) > len(token_batches(lengths, 64, 0)) >= 2  # the token limit really cut more batches
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 60
+        assert len(b) <= 64
+    assert token_batches([5, 100, 7], 64, 50) == [[0, 2], [1]]  # a sentence over the limit: a batch of its own
+
+
+# ---------------------------------------------------------------------------------------------- traps
+def test_beam_0_is_an_error_not_the_recipes_beam(runs, capsys):
+    last = str(runs["mt"] / "checkpoints" / "last.ckpt")
+    for argv in (["translate", "--ckpt", last, "--beam", "0"],
+                 ["test", "-c", str(runs["recipe"]), "--ckpt", last, "--beam", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "argument --beam: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_fit_dry_run_prints_the_resolved_config_and_trains_nothing(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, name="dry")
+    assert main(["fit", "-c", str(recipe), "--dry-run", "--model.norm", "rmsnorm"]) == 0
+    out, err = capsys.readouterr()
+    printed = yaml.safe_load(out)
+    assert printed["model"]["norm"] == "rmsnorm" and printed["trainer"]["max_steps"] == TINY["trainer"]["max_steps"]
+    assert "dry run: nothing trained" in err and not (tmp_path / "runs").exists()
+    assert not (tmp_path / "data_cache").exists()  # not even the data is prepared
+
+
+def test_fit_help_describes_the_slurm_options_in_fit_words(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "nodes for the run" in out and "devices) per node for the run" in out
+    assert "ablation" not in out and "trial" not in out
+    with pytest.raises(SystemExit):
+        main(["ablate", "submit", "--help"])
+    assert "nodes for each trial" in capsys.readouterr().out

@@ -23,7 +23,17 @@ from .bleu import compound_split_bleu, read_pair
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
 from .config import ConfigError, ModelConfig, load_yaml
 from .decode import generate
-from .evaluate import load_module, load_tokenizer, run_dir_of, score, translate_lines
+from .evaluate import (
+    autocast,
+    decode_dtype,
+    load_module,
+    load_tokenizer,
+    pick_device,
+    recipe_precision,
+    run_dir_of,
+    score,
+    translate_lines,
+)
 from .experiment import load_experiment, parse_value
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
@@ -132,6 +142,11 @@ def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     exp = load_experiment(args.config, overrides)
     if args.slurm:  # submit the same run as a SLURM job instead (attnlab.launch.slurm)
         return submit_fit(exp, args)
+    if args.dry_run:  # what would run, without preparing data or training
+        print(exp.to_yaml(), end="")
+        print(f"# dry run: nothing trained. Run directory: {exp.run_dir()}; model.vocab_size (and src_vocab_size) "
+              f"come from the tokenizer when fit runs.", file=sys.stderr)
+        return 0
     t0 = time.perf_counter()
     run_dir = fit(exp, ckpt_path=args.ckpt_path)
     print(f"fit done in {time.perf_counter() - t0:.0f}s; run directory: {run_dir}")
@@ -142,22 +157,25 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """validate / test: loss and perplexity on the split; for translation also beam-search BLEU and chrF
     on the split's real text (sacreBLEU, with its signature)."""
     exp = load_experiment(args.config, overrides)
+    dev = pick_device(args.device)
     dm, exp = prepare(exp)
     check_compatible(load_checkpoint(args.ckpt), exp.model, args.ckpt)
     module = load_module(args.ckpt, exp.decode)
     split = "valid" if args.command == "validate" else "test"
     t0 = time.perf_counter()
-    # one process, whatever the recipe trains with: under DDP the samplers would repeat batches to even out
-    # the ranks' shares, and those would be counted twice
-    trainer = make_trainer(exp, exp.run_dir(), logger=False, callbacks=[], enable_progress_bar=False, devices=1,
-                           num_nodes=1, strategy="auto")
+    # one process on the chosen device, whatever the recipe trains with: under DDP the samplers would repeat
+    # batches to even out the ranks' shares, and those would be counted twice
+    on_dev = exp.replace(trainer=exp.trainer.replace(accelerator="gpu" if dev.type == "cuda" else "cpu"))
+    trainer = make_trainer(on_dev, exp.run_dir(), logger=False, callbacks=[], enable_progress_bar=False,
+                           devices=[dev.index or 0] if dev.type == "cuda" else 1, num_nodes=1, strategy="auto")
     if exp.task == "translation":
         module.decode_cfg = module.decode_cfg.__class__.from_dict({**exp.decode.to_dict(), "val_sentences": 0})
     run = trainer.validate if split == "valid" else trainer.test
     metrics = {k: float(v) for k, v in run(module, datamodule=dm, verbose=False)[0].items()}
     if exp.task == "translation":
         srcs, refs = dm.split_texts(split)
-        hyps = translate_lines(module, dm.tokenizer, srcs, beam=args.beam or exp.decode.beam)
+        hyps = translate_lines(module, dm.tokenizer, srcs, beam=args.beam or exp.decode.beam, device=dev,
+                               dtype=decode_dtype(dev, exp.trainer.precision))
         metrics.update(score(hyps, refs))
         metrics["examples"] = [{"source": s, "reference": r, "hypothesis": h}
                                for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
@@ -173,6 +191,7 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     exp = load_experiment(args.config, overrides)
     if exp.task != "translation":
         raise ConfigError(f"{args.config}: attnlab demo runs a translation recipe (model.arch=encoder_decoder)")
+    dev = pick_device(args.device)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     dm, resolved = prepare(exp)
@@ -188,9 +207,10 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     module = load_module(averaged, resolved.decode)
     srcs, refs = dm.split_texts("test")
-    hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam)
+    hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=dev,
+                           dtype=decode_dtype(dev, exp.trainer.precision))
     result = score(hyps, refs)
-    times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences)"] = time.perf_counter() - t0
+    times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences, {dev})"] = time.perf_counter() - t0
     result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
     result["checkpoints_averaged"] = paths
     (run_dir / "demo_results.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
@@ -211,6 +231,7 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if not isinstance(module.model_cfg, ModelConfig) or module.model_cfg.arch != "encoder_decoder":
         raise ConfigError(f"{args.ckpt} is not a translation model (model.arch={module.model_cfg.arch})")
     tok = load_tokenizer(run_dir_of(args.ckpt))
+    dev = pick_device(args.device)
     name = "<stdin>" if args.input == "-" else args.input
     data = sys.stdin.buffer.read() if args.input == "-" else Path(args.input).read_bytes()
     try:
@@ -222,7 +243,8 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if lines[-1] == "":
         lines.pop()
     lines = [line.removesuffix("\r") for line in lines]
-    for hyp in translate_lines(module, tok, lines, beam=args.beam):
+    dtype = decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt)))
+    for hyp in translate_lines(module, tok, lines, beam=args.beam, device=dev, dtype=dtype):
         print(hyp.replace("\r", " ").replace("\n", " "))  # a decoded newline must not break the alignment
     return 0
 
@@ -233,12 +255,15 @@ def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         raise ConfigError(f"{args.ckpt} is not a language model (model.arch={module.model_cfg.arch}); "
                           "attnlab translate decodes translation models")
     tok = load_tokenizer(run_dir_of(args.ckpt))
+    dev = pick_device(args.device)
     # LM training streams documents each followed by EOS (no BOS anywhere), so EOS is what precedes the start of a
     # document: the prompt is conditioned on it, and generation stops at the next one
     ids = [tok.eos_id] + list(tok.encode(args.prompt, side="tgt"))
-    g = torch.Generator().manual_seed(args.seed)
-    out = generate(module.model, torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=g)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    with autocast(dev, decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt)))):
+        out = generate(module.model.to(dev), torch.tensor([ids], device=dev), max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id,
+                       generator=g)
     print(tok.decode(list(out[0]), side="tgt"))
     return 0
 
@@ -274,6 +299,23 @@ def cmd_bleu(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (`--beam 0` is an error, not a silent fallback to the recipe's beam)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
+    p.add_argument("--device", default=None,
+                   help=f"where {what} runs: cuda, cuda:N or cpu (default: cuda when available, else cpu); bf16 "
+                        "autocast on CUDA where the recipe trains in bf16, fp32 on a CPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnlab", description="Transformer research: train, evaluate, ablate.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -286,20 +328,26 @@ def build_parser() -> argparse.ArgumentParser:
     fit_p.add_argument("-c", "--config", required=True)
     fit_p.add_argument("--ckpt_path", default=None, help="'last' resumes the run's last checkpoint, or a path")
     fit_p.add_argument("--slurm", action="store_true", help="submit this run as a SLURM job (sbatch) instead")
-    add_slurm_args(fit_p)
+    fit_p.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config (with --slurm: the job script); train and submit nothing")
+    add_slurm_args(fit_p, "fit")
     for name in ("validate", "test"):
         e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split")
         e.add_argument("-c", "--config", required=True)
         e.add_argument("--ckpt", required=True)
-        e.add_argument("--beam", type=int, default=0, help="beam size (default: decode.beam)")
+        e.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
+        add_device_arg(e)
     demo = sub.add_parser("demo", help="fit + average + beam-search test BLEU: what `make demo` runs")
     demo.add_argument("-c", "--config", required=True)
+    add_device_arg(demo, "the decoding of the test split (training follows trainer.accelerator)")
     tr = sub.add_parser("translate", help="translate lines from a file or stdin with a checkpoint")
     tr.add_argument("--ckpt", required=True)
     tr.add_argument("--input", default="-")
-    tr.add_argument("--beam", type=int, default=None)
+    tr.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
+    add_device_arg(tr)
     gen = sub.add_parser("generate", help="sample from a language-model checkpoint")
     gen.add_argument("--ckpt", required=True)
+    add_device_arg(gen)
     gen.add_argument("--prompt", default="")
     gen.add_argument("--max_new_tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=1.0)

@@ -345,7 +345,8 @@ class DecodeConfig(StrictConfig):
     max_len_b: int = 50
     val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
     val_sentences: int = 500  # about this many sentences, every k-th of the split, decoded for BLEU/chrF; 0 = none
-    batch_sentences: int = 64  # sentences per decoding batch (test, translate)
+    batch_sentences: int = 64  # at most this many sentences per decoding batch (test, translate)
+    max_tokens: int = 0  # and at most this many source tokens (padding counted: n * longest); 0 = no token limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
 
     def __post_init__(self) -> None:
@@ -354,6 +355,6 @@ class DecodeConfig(StrictConfig):
         for key in ("beam", "val_beam", "batch_sentences", "average_last"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 1")
-        for key in ("len_penalty", "max_len_a", "max_len_b", "val_sentences"):
+        for key in ("len_penalty", "max_len_a", "max_len_b", "val_sentences", "max_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 0")

@@ -1,8 +1,15 @@
-"""Load a trained model with its tokenizer; translate, score with sacreBLEU/chrF on real text, generate."""
+"""Load a trained model with its tokenizer; translate and score with sacreBLEU/chrF on real text; the device and
+precision decoding runs in.
+
+Decoding runs on CUDA when there is one (`--device` chooses: cuda, cuda:N, cpu), under bf16 autocast where the
+recipe trains in bf16 (trainer.precision auto or bf16-*), fp16 autocast for 16-mixed, and in fp32 on a CPU.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoints import load_checkpoint
-from .config import DecodeConfig
+from .config import ConfigError, DecodeConfig, load_yaml
 from .data.tokenizer import Tokenizer
 from .lit import LMModule, Seq2SeqModule
 
@@ -56,15 +63,76 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Se
     return module.eval()
 
 
+def pick_device(device: str | None = None) -> torch.device:
+    """The device to decode on: `device` when given (cuda, cuda:N, cpu), else CUDA when available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= n:
+            raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s) (torch {torch.__version__}"
+                              f"{', a CPU build' if torch.version.cuda is None else ''}); use --device cpu")
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    return dev
+
+
+def decode_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """The autocast dtype decoding uses on `device` for a recipe trained with trainer.precision `precision`;
+    None (fp32) on a CPU and for 32-true."""
+    if device.type != "cuda":
+        return None
+    if precision in ("auto", "bf16-mixed", "bf16-true"):
+        return torch.bfloat16
+    return torch.float16 if precision == "16-mixed" else None
+
+
+def recipe_precision(run_dir: Path) -> str:
+    """trainer.precision of the run a checkpoint belongs to (its config.yaml), 'auto' when it has none."""
+    path = run_dir / "config.yaml"
+    return str(load_yaml(path).get("trainer", {}).get("precision", "auto")) if path.is_file() else "auto"
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """Autocast to `dtype` on `device` (nothing when dtype is None)."""
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        yield
+
+
+def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0) -> list[list[int]]:
+    """Indices sorted by length (less padding), cut into batches of at most `batch_sentences` sentences and, when
+    max_tokens > 0, at most max_tokens source tokens with padding counted (n * the longest). A sentence longer than
+    max_tokens gets a batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        b = batches[-1] if batches else None
+        full = b is None or len(b) >= batch_sentences or (max_tokens and (len(b) + 1) * lengths[i] > max_tokens)
+        if full:
+            batches.append([i])
+        else:
+            b.append(i)
+    return batches
+
+
 @torch.no_grad()
 def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: int | None = None,
-                    batch_sentences: int | None = None, device: str | torch.device = "cpu") -> list[str]:
-    """Translate raw text lines. Batches are formed by length (less padding) and put back in order.
-    Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
-    warning (a learned position table ends there; other positions were never trained beyond it either, and the
-    output budget a * length + b grows with the input)."""
+                    batch_sentences: int | None = None, max_tokens: int | None = None,
+                    device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Translate raw text lines on `device` (default: `pick_device()`), under autocast to `dtype` when given.
+    Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens
+    (default: the module's decode config), and put back in order. Empty lines give empty translations; lines
+    longer than the model's max_seq_len tokens are cut there, with a warning (a learned position table ends there;
+    other positions were never trained beyond it either, and the output budget a * length + b grows with it)."""
     cfg = module.model_cfg
     bs = batch_sentences or module.decode_cfg.batch_sentences
+    max_tok = module.decode_cfg.max_tokens if max_tokens is None else max_tokens
+    dev = device if isinstance(device, torch.device) else pick_device(device)
     eos = module.eos_id
     limit = cfg.max_seq_len
     encoded = []
@@ -74,21 +142,20 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
             log.warning("line %d has %d tokens; cut to the model's %d positions", i + 1, len(ids), limit)
             ids = ids[: limit - 1] + [eos]
         encoded.append(ids)
-    order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
+    todo = [i for i in range(len(lines)) if lines[i].strip()]
+    batches = [[todo[j] for j in b] for b in token_batches([len(encoded[i]) for i in todo], bs, max_tok)]
     out: list[str] = [""] * len(lines)
-    module.to(device)
-    steps = range(0, len(order), bs)
+    module.to(dev)
     # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
-    for start in tqdm(steps, desc="translating", unit="batch", disable=None if len(steps) > 2 else True, leave=False):
-        idx = [i for i in order[start : start + bs] if lines[i].strip()]
-        if not idx:
-            continue
+    for idx in tqdm(batches, desc="translating", unit="batch", disable=None if len(batches) > 2 else True,
+                    leave=False):
         width = max(len(encoded[i]) for i in idx)
-        src = torch.full((len(idx), width), cfg.pad_id, dtype=torch.long)
+        src = torch.full((len(idx), width), cfg.pad_id, dtype=torch.long)  # (n, S)
         for row, i in enumerate(idx):
             src[row, : len(encoded[i])] = torch.tensor(encoded[i])
-        hyps = tokenizer.decode_batch(module.translate_ids(src.to(device), beam))
-        for i, h in zip(idx, hyps, strict=True):
+        with autocast(dev, dtype):
+            ids = module.translate_ids(src.to(dev), beam)
+        for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
             out[i] = h
     return out
 

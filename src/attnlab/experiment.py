@@ -105,6 +105,8 @@ class Experiment:
         d = self.to_dict()
         for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk"):  # loss_chunk: same loss
             d["trainer"].pop(k)
+        d["decode"].pop("max_tokens")  # how test and translate batch their decoding (batch_sentences is in for
+        # the hashes of runs made before max_tokens existed)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..launch.job import DEFAULT_FIT, SrunFit, install_worker_signals
+from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals
 from ..launch.slurm import add_slurm_args, slurm_status
 from .report import plot, write_table
 from .runner import Options, run_study, work
@@ -37,6 +37,11 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
     run.add_argument("--workers", type=int, default=1, help="local worker processes (1: in this process)")
+    run.add_argument("--gpus", default=None,
+                     help="GPUs the workers share out, e.g. 0,1,2,3 (default: every visible GPU); each worker gets "
+                          "its own resources.devices of them through CUDA_VISIBLE_DEVICES")
+    run.add_argument("--workers-per-gpu", type=int, default=1,
+                     help="workers sharing one GPU slice (default 1: two workers never share a GPU)")
     worker = sub.add_parser("worker", help="one worker: claim points and run them until none is left")
     _worker_args(worker)
     worker.add_argument("--max-trials", type=int, default=None, help="stop after this many trials")
@@ -50,7 +55,7 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     submit.add_argument("--workers", type=int, default=None,
                         help="array tasks, one worker each (default: one per point still to run)")
     submit.add_argument("--array-parallelism", type=int, default=None, help="at most this many run at once")
-    add_slurm_args(submit)
+    add_slurm_args(submit, "study")
     for name, text in (("status", "which points are done, running, failed, invalid, pending"),
                        ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
                        ("plot", "curves.png and metric.png from the stored trials")):
@@ -78,7 +83,9 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be >= 1")
         spec = load_spec(args.spec)
-        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, _options(args))
+        gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus is not None else None
+        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, _options(args),
+                           gpus=gpus, workers_per_gpu=args.workers_per_gpu)
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
         return 0 if set(counts) <= {"done", "invalid"} else 1
@@ -89,7 +96,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         spec = load_spec(args.spec)
         h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
         try:
-            n = work(h, _options(args), SrunFit(args.fit) if args.srun else None)
+            n = work(h, _options(args), StepFit(args.fit, srun=True) if args.srun else None)
         except KeyboardInterrupt as e:
             logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
             return 130

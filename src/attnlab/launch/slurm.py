@@ -266,23 +266,28 @@ def submit_fit(exp: Experiment, args: argparse.Namespace) -> int:
     return 0
 
 
-def add_slurm_args(p: argparse.ArgumentParser) -> None:
-    """The job-shape options of `ablate submit` and `fit --slurm`."""
-    g = p.add_argument_group("SLURM")
-    g.add_argument("--partition", default=None, help="partition(s) (default: the ablation file's resources)")
+def add_slurm_args(p: argparse.ArgumentParser, target: str) -> None:
+    """The job-shape options of `attnlab fit --slurm` (target "fit": one run) and `attnlab ablate submit`
+    (target "study": every trial of an array job), with help in the words of each."""
+    trial = "the run" if target == "fit" else "each trial"
+    file = "the cluster's default" if target == "fit" else "the ablation file's resources"
+    g = p.add_argument_group("SLURM" + (" (with --slurm)" if target == "fit" else ""))
+    g.add_argument("--partition", default=None, help=f"partition(s) (default: {file})")
     g.add_argument("--account", default=None)
     g.add_argument("--qos", default=None)
-    g.add_argument("--time", default=None, help="time limit per job, e.g. 12:00:00 or 2-00:00:00")
-    g.add_argument("--nodes", type=int, default=None, help="nodes per trial (default: trainer.num_nodes)")
+    g.add_argument("--time", default=None, help="time limit per job, e.g. 12:00:00 or 2-00:00:00"
+                   + ("" if target == "fit" else " (default: the ablation file's resources.time_min)"))
+    g.add_argument("--nodes", type=int, default=None, help=f"nodes for {trial} (default: trainer.num_nodes)")
     g.add_argument("--tasks-per-node", type=int, default=None,
-                   help="tasks (= devices) per node of a trial (default: trainer.devices)")
+                   help=f"tasks (= devices) per node for {trial} (default: trainer.devices)")
     g.add_argument("--gpus-per-task", type=int, default=0, help="GPUs per task: 1 for one task per GPU")
     g.add_argument("--cpus-per-task", type=int, default=None)
     g.add_argument("--mem", default=None, help="memory per node, e.g. 64G")
     g.add_argument("--signal-seconds", type=int, default=300,
                    help="USR1 this long before the time limit: checkpoint and requeue")
     g.add_argument("--template", default=None, help="an sbatch template instead of the one in slurm/")
-    g.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    if target != "fit":  # fit has a --dry-run of its own, with or without --slurm
+        g.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
 
 
 # ---------------------------------------------------------------------------------------------- status
