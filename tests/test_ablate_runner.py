@@ -20,10 +20,11 @@ import pytest
 from optuna.trial import TrialState
 
 from attnlab.ablate.report import plot, write_table
-from attnlab.ablate.runner import Options, run_study, worker_command
+from attnlab.ablate.runner import Options, gpu_slices, run_study, worker_command
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect, format_status, point_states, prepare_study
 from attnlab.cli import main
+from attnlab.config import ConfigError
 from attnlab.rundir import keep_metrics, run_metrics
 
 TESTS = Path(__file__).resolve().parent
@@ -53,7 +54,8 @@ def fake_fit(exp, ckpt_path=None):
     start = time.time()
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
-                            "ckpt_path": ckpt_path, "start": start}) + "\n")
+                            "ckpt_path": ckpt_path, "start": start,
+                            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
     (run_dir / "checkpoints" / "last.ckpt").write_text("fake", encoding="utf-8")
     if exp.model.dropout == 0.3:
         raise RuntimeError("boom: dropout 0.3 always fails")
@@ -322,3 +324,46 @@ def test_a_resumed_runs_curve_joins_the_metrics_of_its_attempts(tmp_path):
     curves = run_metrics(tmp_path)
     assert curves["val/loss"] == [(99, 3.0), (199, 2.6), (299, 2.2)] and curves["train/loss"] == [(300, 1.9)]
     assert (logs / "metrics.part0.csv").exists()
+
+
+# ---------------------------------------------------------------------------------------------- GPUs
+def test_gpu_slices_give_each_worker_its_own_gpus():
+    four = ["0", "1", "2", "3"]
+    assert gpu_slices([], 4, 1) is None  # no GPU: CPU trials, nothing to share out
+    assert gpu_slices(four, 4, 1) == ["0", "1", "2", "3"]
+    assert gpu_slices(four, 2, 2) == ["0,1", "2,3"]
+    assert gpu_slices(["4", "6"], 4, 1, workers_per_gpu=2) == ["4", "4", "6", "6"]  # asked to share
+    assert gpu_slices(four, 3, 1) == ["0", "1", "2"]  # fewer workers than GPUs: the first ones
+    with pytest.raises(ConfigError, match=r"--workers 3 with 2 GPU\(s\) per trial .* need 6 GPUs; 4 are given"):
+        gpu_slices(four, 3, 2)
+    with pytest.raises(ConfigError, match="not -1"):
+        gpu_slices(four, 2, -1)
+    with pytest.raises(ConfigError, match="listed twice"):
+        gpu_slices(["0", "0"], 1, 1)
+
+
+@pytest.mark.slow
+def test_workers_on_given_gpus_each_see_only_their_slice(tmp_path, worker_env, monkeypatch):
+    """4 GPUs named (none is touched: the fake fit records CUDA_VISIBLE_DEVICES), 2 workers, 2 devices a trial:
+    the workers see 0,1 and 2,3, never at once on one slice; each trial records its slice; status shows it.
+    Asking for more GPUs than given fails before anything starts."""
+    monkeypatch.setenv("FAKE_SLEEP", "0.3")
+    body = "seeds: [1, 2]\nbudget: {steps: 10}\nresources: {devices: 2}\naxes:\n  model.norm: [layernorm, rmsnorm]\n"
+    spec = load_spec(write_study(tmp_path, body))
+    with pytest.raises(ConfigError, match="need 6 GPUs; 4 are given"):
+        run_study(spec, tmp_path / "never", workers=3, opts=FAST, gpus=["0", "1", "2", "3"])
+    assert not (tmp_path / "never").exists()
+    study_dir = tmp_path / "study"
+    counts = run_study(spec, study_dir, workers=2, opts=FAST, gpus=["0", "1", "2", "3"])
+    assert counts == {"done": 4}
+    starts, ends = read_calls(study_dir)
+    assert {c["cuda"] for c in starts} <= {"0,1", "2,3"} and len(starts) == 4
+    end_of = {c["hash"]: c["end"] for c in ends}
+    for slice_ in ("0,1", "2,3"):  # one trial at a time on each slice
+        spans = sorted((c["start"], end_of[c["hash"]]) for c in starts if c["cuda"] == slice_)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    h = connect(spec, study_dir)
+    by_hash = {c["hash"]: c["cuda"] for c in starts}
+    for t in h.study.get_trials(states=(TrialState.COMPLETE,)):
+        assert t.user_attrs["cuda_visible_devices"] == by_hash[t.user_attrs["config_hash"]]
+    assert "GPUs 0,1" in format_status(h) or "GPUs 2,3" in format_status(h)

@@ -10,6 +10,7 @@ import pytest
 
 from attnlab.ablate.spec import load_spec
 from attnlab.config import ConfigError
+from attnlab.lit.optim import lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "ablations").glob("*.yaml"))
@@ -95,6 +96,39 @@ def test_grid_points_seeds_budget_resources_and_overrides(tmp_path):
                               "overrides: {trainer.val_every: 10, optim.lr: 1e-3}\n"
                               "axes:\n  model.norm: [layernorm, rmsnorm]\n  optim.warmup_steps: [10, 20]\n")
     assert [p.point_id for p in again.points()] == [p.point_id for p in spec.points()], "stable point ids"
+
+
+def test_a_steps_budget_is_also_the_schedules_horizon(tmp_path):
+    """lm_demo's cosine decays over optim.max_steps=1000; a 400-step budget must end its trials' schedule at 400,
+    not leave them comparing variants with the learning rate still near its peak."""
+    layout(tmp_path)
+    lm = tmp_path / "ablations" / "lm.yaml"
+    lm.write_text("base: ../experiments/lm_demo.yaml\nmetric: {name: val/loss, direction: min}\n"
+                  "budget: {steps: 400}\naxes:\n  model.norm: [layernorm, rmsnorm]\n", encoding="utf-8")
+    spec = load_spec(lm)
+    for v in spec.variants():
+        exp = spec.experiment(v.overrides)
+        assert (exp.trainer.max_steps, exp.optim.max_steps, exp.optim.schedule) == (400, 400, "cosine")
+        assert "max_steps: 400" in exp.to_yaml().split("trainer:")[0]  # the resolved config.yaml shows the horizon
+        last = lr_factor(exp.optim, exp.model.d_model)(399)  # the last step's rate: at the cosine's floor
+        assert last == pytest.approx(exp.optim.min_lr_ratio, abs=1e-4)
+    fixed = lm.with_name("fixed.yaml")  # the file's own horizon wins
+    fixed.write_text(lm.read_text() + "overrides: {optim.max_steps: 1000}\n", encoding="utf-8")
+    assert load_spec(fixed).experiment({}).optim.max_steps == 1000
+
+
+def test_a_time_budget_with_a_decaying_schedule_needs_a_horizon(tmp_path):
+    lm = tmp_path / "ablations" / "lm.yaml"
+    layout(tmp_path)
+    body = "base: ../experiments/lm_demo.yaml\nmetric: {name: val/loss, direction: min}\nbudget: {time_min: 5}\n" \
+           "axes:\n  model.norm: [layernorm, rmsnorm]\n"
+    lm.write_text(body, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"budget\.time_min=5 with optim\.schedule=cosine.*optim\.max_steps"):
+        load_spec(lm)
+    lm.write_text(body + "overrides: {optim.max_steps: 2000}\n", encoding="utf-8")
+    assert load_spec(lm).experiment({}).optim.max_steps == 2000
+    lm.write_text(body + "overrides: {optim.schedule: inverse_sqrt}\n", encoding="utf-8")  # no horizon needed
+    assert load_spec(lm).experiment({}).trainer.max_time_min == 5
 
 
 def test_baseline_is_the_base_recipes_own_values_else_the_first(tmp_path):

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from attnlab.checkpoints import load_checkpoint
 from attnlab.experiment import load_experiment
-from attnlab.train import prepare
+from attnlab.train import fit, prepare
 from test_train import read_metrics, write_recipe
 
 DRIVER = '''
@@ -87,3 +88,52 @@ def test_two_process_ddp_fit_shards_batches_and_saves_a_checkpoint_that_evaluate
     single = json.loads((run_dir / "valid_results.json").read_text(encoding="utf-8"))
     assert single["val/loss"] == pytest.approx(ddp_val, rel=1e-5)
     assert single["sentences"] == len(dm.split_texts("valid")[0]) and single["bleu_signature"].startswith("nrefs:1|")
+
+
+class RankNote(Callback):
+    """Writes rank<k>.json into the run directory at the end of training: the world size and the GPUs visible."""
+
+    def __init__(self, run_dir) -> None:
+        self.run_dir = run_dir
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.run_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(
+            {"world": trainer.world_size, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+
+
+def rank_fit(exp, ckpt_path=None):
+    """attnlab.train.fit, noting each rank's world size and visible GPUs."""
+    return fit(exp, ckpt_path=ckpt_path, callbacks=[RankNote(exp.run_dir())])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_a_two_device_trial_runs_ddp_under_the_local_runner(tmp_path, monkeypatch):
+    """An ablation trial with resources.devices 2, its worker given GPUs 0,1 (none exists here: the trial runs on
+    the CPU): the trial runs as its own process, and Lightning's DDP starts its second rank from that process's
+    command (not the worker's, which would claim points of its own). Both ranks see the worker's slice."""
+    from attnlab.ablate.runner import Options, run_study
+    from attnlab.ablate.spec import load_spec
+    from attnlab.ablate.study import connect
+
+    monkeypatch.chdir(tmp_path)
+    tests = os.path.dirname(__file__)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    recipe = write_recipe(tmp_path, n_pairs=900, trainer={"strategy": "ddp", "accelerator": "cpu", "val_every": 4,
+                                                          "ckpt_every": 4}, decode={"val_sentences": 0})
+    prepare(load_experiment(recipe))  # caches built once, before the processes start
+    study = tmp_path / "study.yaml"
+    study.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nbudget: {{steps: 4}}\n"
+                     "resources: {devices: 2}\naxes:\n  model.norm: [layernorm]\n", encoding="utf-8")
+    spec = load_spec(study)
+    counts = run_study(spec, tmp_path / "s", workers=1, opts=Options(fit="test_ddp:rank_fit", heartbeat_s=2),
+                       gpus=["0", "1"])
+    assert counts == {"done": 1}, counts
+    (trial,) = connect(spec, tmp_path / "s").study.get_trials()
+    assert trial.user_attrs["cuda_visible_devices"] == "0,1"
+    run_dir = tmp_path / "s" / "runs" / trial.user_attrs["run_dir"].rsplit("/", 1)[-1]
+    ranks = {k: json.loads((run_dir / f"rank{k}.json").read_text()) for k in (0, 1)}
+    assert ranks[0] == ranks[1] == {"world": 2, "cuda": "0,1"}
+    assert sorted(read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"]) == [0, 1, 2, 3]

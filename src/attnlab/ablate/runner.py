@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
@@ -53,7 +54,7 @@ from optuna.trial import TrialState
 from ..checkpoints import latest_checkpoint
 from ..config import ConfigError, ModelConfig, load_yaml
 from ..experiment import Experiment
-from ..launch.job import DEFAULT_FIT, FitFn, job_identity, resolve_fit
+from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
 from .spec import AblationSpec, fmt, short_key
@@ -130,7 +131,7 @@ def worker_name() -> str:
 def _attrs(point_id: str, variant: str, overrides: dict[str, Any], seed: int, attempt: int) -> dict[str, Any]:
     job = job_identity()  # inside SLURM: which job (array task) and which run of it after requeues
     return {"point_id": point_id, "variant": variant, "overrides": overrides, "seed": seed, "attempt": attempt,
-            "worker": worker_name(), "heartbeat": time.time(),
+            "worker": worker_name(), "heartbeat": time.time(), "cuda_visible_devices": visible_devices_label(),
             **({"slurm_job": job[0], "slurm_restart": job[1]} if job else {})}
 
 
@@ -333,7 +334,7 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
 # ---------------------------------------------------------------------------------------------- workers
 def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     """A worker: claim, run, repeat; wait while other workers' points may still come back; return trials run."""
-    fit_fn = fit or resolve_fit(opts.fit)
+    fit_fn = fit or local_fit(opts.fit)
     n = 0
     while opts.max_trials is None or n < opts.max_trials:
         claim, busy = claim_next(h, opts.grace_s)
@@ -358,32 +359,91 @@ def worker_command(spec_path: Path, study_dir: Path, storage: str, opts: Options
     return cmd + (["--srun", "--no-linger"] if srun else [])
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's list when it is set,
+    else every device torch sees; [] without CUDA."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def visible_devices_label() -> str:
+    """What a trial records as the devices it ran on (user attr cuda_visible_devices)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return env
+    return "all" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_slices(gpus: list[str], workers: int, per_trial: int, workers_per_gpu: int = 1) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of each of `workers` local workers: worker i gets the GPUs of group i // K (K =
+    workers_per_gpu), a group being `per_trial` consecutive GPUs of `gpus`; so two workers share GPUs only when
+    K > 1. None when there are no GPUs (CPU trials). Too few GPUs is a ConfigError, before anything starts."""
+    if not gpus:
+        return None
+    if workers_per_gpu < 1:
+        raise ConfigError(f"--workers-per-gpu {workers_per_gpu} must be >= 1")
+    if per_trial < 1:
+        raise ConfigError(f"trainer.devices={per_trial}: local workers on GPUs need a device count per trial "
+                          "(resources.devices in the ablation file), not -1")
+    if len(set(gpus)) != len(gpus):
+        raise ConfigError(f"--gpus {','.join(gpus)}: a GPU is listed twice")
+    groups = -(-workers // workers_per_gpu)  # ceil
+    if groups * per_trial > len(gpus):
+        raise ConfigError(
+            f"--workers {workers} with {per_trial} GPU(s) per trial and --workers-per-gpu {workers_per_gpu} need "
+            f"{groups * per_trial} GPUs; {len(gpus)} are given ({','.join(gpus)}): lower --workers or raise "
+            "--workers-per-gpu")
+    return [",".join(gpus[(i // workers_per_gpu) * per_trial:(i // workers_per_gpu + 1) * per_trial])
+            for i in range(workers)]
+
+
+def trial_devices(spec: AblationSpec) -> int:
+    """Devices per trial (resources.devices, else the base recipe's trainer.devices); one size for all trials."""
+    varied = {k for v in spec.variants() for k in v.overrides} if not spec.is_search else \
+        {d.key for d in spec.distributions}
+    if "trainer.devices" in varied:
+        raise ConfigError(f"{spec.path}: trainer.devices varies across trials; a local worker's GPUs are one slice "
+                          "(run one study per device count)")
+    return spec.experiment({}).trainer.devices
+
+
 def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None, workers: int = 1,
-              opts: Options | None = None, fit: FitFn | None = None) -> dict[str, int]:
+              opts: Options | None = None, fit: FitFn | None = None, gpus: list[str] | None = None,
+              workers_per_gpu: int = 1) -> dict[str, int]:
     """Run what is missing of a study with `workers` local workers; returns the count of points by status.
 
-    One worker runs in this process (with `fit` when given, a callable for tests); more are started as
-    separate processes of `worker_command`, each with an equal share of the CPU threads."""
+    Each worker gets its own slice of the GPUs (`gpus`, default every visible one; see `gpu_slices`) through
+    CUDA_VISIBLE_DEVICES, and an equal share of the CPU threads. A single worker with the default GPUs runs
+    in this process (with `fit` when given, a callable for tests); otherwise workers are processes of
+    `worker_command`."""
     opts = opts or Options()
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} must be >= 1")
+    slices = gpu_slices(visible_gpus() if gpus is None else gpus, workers, trial_devices(spec), workers_per_gpu)
     h = prepare_study(spec, study_dir, storage)
-    if workers <= 1:
+    if workers == 1 and gpus is None:
         work(h, opts, fit)
-    else:
-        if fit is not None:
-            raise ValueError("run_study(workers > 1) starts processes: give the fit as opts.fit='module:function'")
+        return status_counts(h, opts.grace_s)
+    if fit is not None:
+        raise ValueError("run_study with worker processes: give the fit as opts.fit='module:function'")
+    procs = []
+    for i in range(workers):
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-        procs = [subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts), env=env) for _ in range(workers)]
-        try:
-            codes = [p.wait() for p in procs]
-        except KeyboardInterrupt:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait()
-            raise
-        if any(codes):
-            log.warning("worker exit codes: %s", codes)
+        if slices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slices[i]
+            log.info("worker %d: CUDA_VISIBLE_DEVICES=%s", i, slices[i])
+        procs.append(subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts), env=env))
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+    if any(codes):
+        log.warning("worker exit codes: %s", codes)
     return status_counts(h, opts.grace_s)
-
-

@@ -5,7 +5,9 @@ search), seeds, the metric and its direction, the budget and resources of one tr
     base: ../experiments/demo_en_de.yaml      # relative to this file
     metric: {name: val/bleu, direction: max}
     seeds: [1, 2]                             # or a count: 2 means [1, 2]
-    budget: {steps: 2000}                     # trainer.max_steps; {time_min: 30} sets trainer.max_time_min
+    budget: {steps: 2000}                     # trainer.max_steps and the schedule's optim.max_steps;
+                                              # {time_min: 30} sets trainer.max_time_min (a cosine or wsd
+                                              # schedule then needs optim.max_steps under overrides:)
     resources: {devices: 1}                   # per trial; devices also sets trainer.devices
     retries: 2                                # a failing point is tried 1 + retries times
     overrides: {trainer.val_every: 500}       # applied to every trial
@@ -46,6 +48,7 @@ from ..experiment import SECTIONS, Experiment, apply_override, from_raw, load_ra
 
 TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
             "axes", "variants", "search", "n_trials", "distributions", "search_seed")
+HORIZON_SCHEDULES = ("cosine", "wsd")  # the schedules that decay towards optim.max_steps
 RESOURCE_KEYS = ("devices", "nodes", "cpus", "mem_gb", "time_min", "partition")
 DIST_TYPES = ("float", "int", "log", "categorical")
 TRANSLATION_ONLY = ("val/bleu", "val/chrf")
@@ -146,8 +149,14 @@ class AblationSpec:
 
     # ----- configs -----
     def trial_overrides(self, variant_overrides: dict[str, Any], seed: int) -> dict[str, Any]:
-        """Base <- fixed overrides <- budget and resources <- the variant <- the seed."""
-        out = dict(self.overrides)
+        """Base <- the budget's schedule horizon <- fixed overrides <- budget and resources <- the variant <- the seed.
+
+        A steps budget is also the learning-rate schedule's horizon (optim.max_steps), unless the file sets that
+        itself: a trial that stops at N steps must not compare its variants with the rate still near its peak."""
+        out: dict[str, Any] = {}
+        if self.budget_steps is not None:
+            out["optim.max_steps"] = self.budget_steps
+        out.update(self.overrides)
         if self.budget_steps is not None:
             out["trainer.max_steps"] = self.budget_steps
         if self.budget_time_min is not None:
@@ -164,7 +173,15 @@ class AblationSpec:
         over = self.trial_overrides(variant_overrides, self.seeds[0] if seed is None else seed)
         for k, v in over.items():
             apply_override(raw, k, v)
-        return from_raw(raw, str(self.base))
+        exp = from_raw(raw, str(self.base))
+        horizon_unknown = "optim.max_steps" not in over and exp.optim.schedule in HORIZON_SCHEDULES
+        if self.budget_time_min is not None and horizon_unknown:
+            raise ConfigError(
+                f"{self.path}: budget.time_min={self.budget_time_min:g} with optim.schedule={exp.optim.schedule}: the "
+                f"schedule needs a horizon in steps, which a time budget does not give (the recipe's "
+                f"optim.max_steps={exp.optim.max_steps} would be a guess). Set optim.max_steps under overrides:, "
+                f"or give budget.steps, or use a schedule without a horizon (noam, inverse_sqrt, constant)")
+        return exp
 
     def to_dict(self) -> dict[str, Any]:
         """What a study stores about its spec (JSON), so status, tables and plots need no files."""

@@ -186,6 +186,14 @@ def status_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int]:
     return counts
 
 
+def devices_note(t: FrozenTrial) -> str:
+    """', GPUs 0,1' (or ', CPU' / ', all GPUs') from a trial's cuda_visible_devices user attr; '' when unrecorded."""
+    devices = t.user_attrs.get("cuda_visible_devices")
+    if devices is None:
+        return ""
+    return {"cpu": ", CPU", "all": ", all GPUs", "": ", no GPU"}.get(devices, f", GPUs {devices}")
+
+
 def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
     """Which points are done, running, failed, invalid, pending; one line each."""
     states = list(point_states(h, grace_s=grace_s).values())
@@ -200,10 +208,11 @@ def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
     for s in states:
         r = s.result
         if r is not None:
-            detail = f"{h.spec.metric}={r.value:.4g}  (trial {r.number}, {r.user_attrs.get('wall_s', 0):.0f} s)"
+            detail = f"{h.spec.metric}={r.value:.4g}  (trial {r.number}, {r.user_attrs.get('wall_s', 0):.0f} s" \
+                     f"{devices_note(r)})"
         elif s.status in (RUNNING, STALE):
             t = s.trials[-1]
-            detail = f"trial {t.number} on {t.user_attrs.get('worker')}"
+            detail = f"trial {t.number} on {t.user_attrs.get('worker')}{devices_note(t)}"
             detail += f" (SLURM job {t.user_attrs['slurm_job']})" if "slurm_job" in t.user_attrs else ""
             detail += f", last heartbeat {time.time() - float(t.user_attrs.get('heartbeat', 0)):.0f} s ago"
         else:

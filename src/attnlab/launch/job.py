@@ -1,11 +1,12 @@
-"""Inside a SLURM job: one srun task of a fit or a trial, the data built once before the step, a worker's
-signals, and which job (and which restart of it) this is.
+"""A fit or a trial run as a process of its own: one srun task inside a SLURM job, or a local subprocess; the
+data built once before it; a worker's signals; and which SLURM job (and which restart of it) this is.
 
     python -m attnlab.launch.job prepare CONFIG                      # tokenizer + token caches, once, before srun
     srun ... python -m attnlab.launch.job task CONFIG [--fit module:function] [--ckpt_path none|last|PATH]
 
-In each task `train.make_trainer` takes devices and num_nodes from SLURM, so Lightning runs DDP across the
-step's tasks. A requeued job (SLURM_RESTART_COUNT > 0) resumes from the run directory's newest checkpoint.
+Under srun, `train.make_trainer` takes devices and num_nodes from SLURM in each task, so Lightning runs DDP
+across the step's tasks. Locally, Lightning's DDP launcher starts the other ranks by running the same `task`
+command again. A requeued job (SLURM_RESTART_COUNT > 0) resumes from the run directory's newest checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import importlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -73,11 +75,12 @@ def srun_prefix(gpus: bool | None = None) -> list[str]:
     return ["srun", "--kill-on-bad-exit=1", *(["--gpu-bind=none"] if gpus else [])]
 
 
-def task_command(config: Path, fit: str = DEFAULT_FIT, ckpt_path: str | None = None, gpus: bool | None = None
-                 ) -> list[str]:
-    """The srun step that runs a resolved experiment file: one task per device, each running `fit`."""
-    return [*srun_prefix(gpus), sys.executable, "-m", "attnlab.launch.job", "task", str(config), "--fit", fit,
-            "--ckpt_path", ckpt_path or "none"]
+def task_command(config: Path, fit: str = DEFAULT_FIT, ckpt_path: str | None = None, srun: bool = True,
+                 gpus: bool | None = None) -> list[str]:
+    """The command that runs a resolved experiment file with `fit`: an srun step (one task per device) or, with
+    srun=False, one local process."""
+    return [*(srun_prefix(gpus) if srun else []), sys.executable, "-m", "attnlab.launch.job", "task", str(config),
+            "--fit", fit, "--ckpt_path", ckpt_path or "none"]
 
 
 def prepare_command(config: Path) -> list[str]:
@@ -92,12 +95,14 @@ def prepare_data(exp: Experiment) -> None:
     log.info("data ready in %.1f s", time.perf_counter() - t0)
 
 
-class SrunFit:
-    """A fit(exp, ckpt_path) for workers inside a SLURM job: the trial runs as an srun step of the job's
-    allocation (one task per device), each task running `inner` (module:function, train.fit by default)."""
+class StepFit:
+    """A fit(exp, ckpt_path) that runs the trial as a process of its own, `task_command` on the trial's resolved
+    config: with `srun`, an srun step of the SLURM job's allocation (one task per device); without, a local
+    subprocess (a trial on several devices: Lightning's DDP launcher then starts the other ranks from that
+    command, not from the worker's). Each runs `inner` (module:function, train.fit by default)."""
 
-    def __init__(self, inner: str) -> None:
-        self.inner = inner
+    def __init__(self, inner: str, srun: bool = True) -> None:
+        self.inner, self.srun = inner, srun
         check_code()
 
     def __call__(self, exp: Experiment, ckpt_path: str | None = None) -> Path:
@@ -109,7 +114,8 @@ class SrunFit:
         tmp.replace(config)
         if self.inner == DEFAULT_FIT:  # a custom fit prepares its own data
             prepare_data(exp)
-        proc = subprocess.Popen(task_command(config, self.inner, ckpt_path), stdin=subprocess.DEVNULL)
+        cmd = task_command(config, self.inner, ckpt_path, srun=self.srun)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         _RUNNING.append(proc)
         try:
             code = proc.wait()
@@ -123,8 +129,21 @@ class SrunFit:
         finally:
             _RUNNING.remove(proc)
         if code != 0:
-            raise RuntimeError(f"the trial's srun step exited with {code}; see this job's log")
+            where = "srun step" if self.srun else f"process ({shlex.join(cmd)})"
+            raise RuntimeError(f"the trial's {where} exited with {code}; see this worker's log")
         return run_dir
+
+
+def local_fit(inner: str) -> FitFn:
+    """What a local worker trains a trial with: `inner` in this process when the trial uses one device, a
+    StepFit subprocess when it uses several (see StepFit)."""
+    direct, step = resolve_fit(inner), StepFit(inner, srun=False)
+
+    def run(exp: Experiment, ckpt_path: str | None = None) -> Any:
+        several = exp.trainer.devices != 1 or exp.trainer.num_nodes != 1
+        return (step if several else direct)(exp, ckpt_path=ckpt_path)
+
+    return run
 
 
 def install_worker_signals() -> None:
