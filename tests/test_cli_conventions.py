@@ -135,3 +135,15 @@ def test_every_config_field_has_a_type_the_help_can_name():
         for name, tp in typing.get_type_hints(cls).items():
             if name != "prefix":
                 assert tp in (int, float, bool, str) or typing.get_origin(tp) is not None, (cls.__name__, name, tp)
+
+
+def test_demo_without_catalogs_stops_before_training_saying_where_it_looked(tmp_path, capsys):
+    empty = tmp_path / "no-locale"
+    empty.mkdir()
+    argv = ["demo", "-c", str(REPO / "experiments" / "demo_en_de.yaml"), "--data.locale_dir", f"[{empty}]",
+            "--data.data_dir", str(tmp_path / "cache"), "--trainer.runs_dir", str(tmp_path / "runs")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"gettext:de: 0 English->de pairs in 0 catalog(s); data.min_pairs asks for 10,000. Searched: {empty}/de/" in err
+    assert "Debian: sudo apt-get install" in err and "Ubuntu: sudo apt-get install language-pack-de" in err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # nothing trained or cached

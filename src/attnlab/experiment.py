@@ -62,8 +62,10 @@ class TrainConfig(StrictConfig):
     def __post_init__(self) -> None:
         check_types(self, "trainer")
         one_of("strategy", self.strategy, ("auto", "ddp", "fsdp"), "trainer")
-        for name in self.logger_names:
-            one_of("loggers", name, LOGGERS, "trainer")
+        unknown = [n for n in self.logger_names if n not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.loggers={self.loggers!r}: {', '.join(unknown)} is not one of: "
+                              f"{', '.join(LOGGERS)} (comma-separated)")
         one_of("precision", self.precision, ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"), "trainer")
         for key in ("max_steps", "val_every", "ckpt_every", "log_every", "num_nodes", "keep_checkpoints"):
             if getattr(self, key) < 1:

@@ -85,7 +85,7 @@ class LineProgress(ProgressBar):
         self._print(" | ".join(parts))
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.training:
+        if trainer.sanity_checking or trainer.state.fn != "fit":  # validate/test print their own results
             return
         shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         self._print(" | ".join([f"step {trainer.global_step} validation",

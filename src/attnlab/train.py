@@ -83,7 +83,8 @@ def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:
     """Lightning's own loggers, as trainer.loggers names them: csv -> <run>/logs/metrics.csv (what the ablation
     tables read), tensorboard -> <run>/tensorboard/, wandb -> a W&B run named after the run directory (project
     $WANDB_PROJECT or attnlab; WANDB_MODE=offline keeps it in <run>/wandb/), mlflow -> an MLflow run in the
-    experiment named after the recipe, in $MLFLOW_TRACKING_URI or else a file store <runs_dir>/mlruns."""
+    experiment named after the recipe, in $MLFLOW_TRACKING_URI or else <runs_dir>/mlflow.db (MLflow's local SQLite
+    store: no server; `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db` shows it)."""
     t = exp.trainer
     check_extras(exp)
     made: list[Logger] = []
@@ -96,7 +97,7 @@ def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:
             made.append(WandbLogger(name=run_dir.name, project=os.environ.get("WANDB_PROJECT", "attnlab"),
                                     save_dir=str(run_dir)))
         elif name == "mlflow":
-            uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(t.runs_dir).resolve() / "mlruns").as_uri()
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(t.runs_dir).resolve() / 'mlflow.db'}"
             made.append(MLFlowLogger(experiment_name=exp.name, run_name=run_dir.name, tracking_uri=uri))
     return made
 
@@ -212,9 +213,13 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
             warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
             trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True if resume else None)
     except SIGTERMException:
-        log.warning("SIGTERM at step %d: state saved to %s; continue with --ckpt_path last", trainer.global_step,
+        log.warning("SIGTERM at step %d: state saved to %s; continue with --ckpt-path last", trainer.global_step,
                     run_dir / "checkpoints" / "last.ckpt")
         raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        for logger in trainer.loggers:  # a W&B run stays open until finished: the next fit in this process would
+            if isinstance(logger, WandbLogger) and trainer.global_rank == 0:  # log into it
+                logger.experiment.finish()
     # the final state, whatever the checkpoint interval: a step checkpoint (for averaging) and last.ckpt.
     # Every rank must take the same branch (save_checkpoint is collective): rank 0 decides.
     step_ckpt = run_dir / "checkpoints" / f"step={trainer.global_step}.ckpt"

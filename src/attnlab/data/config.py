@@ -25,7 +25,7 @@ class DataConfig(StrictConfig):
     """Corpus, tokenizer and batching. Defaults: the offline demo (English->German UI strings from gettext).
 
     corpus specs (see `attnlab.data.corpora.open_corpus`):
-      gettext:<lang>            English -> <lang> pairs from <locale_dir>/<lang>/LC_MESSAGES/*.mo
+      gettext:<lang>            English -> <lang> pairs from <each locale_dir>/<lang>/LC_MESSAGES/*.mo
       gettext-mono:<lang>[:en]  the <lang> (or English) side of those catalogs, as documents (LM)
       hf:<name>[:<config>]      a Hugging Face hub dataset (e.g. hf:wmt14:de-en); needs network or the HF cache
       <dir saved by save_to_disk> (or hf:<dir>)   a local Dataset / DatasetDict
@@ -49,7 +49,7 @@ class DataConfig(StrictConfig):
     max_ratio: float = 3.0  # training pairs whose token-length ratio exceeds this are dropped (0 = off)
     max_tokens: int = 4096  # tokens per batch, padding counted: B * max(len) <= max_tokens for src and tgt
     seq_len: int = 256  # LM window length; an LM batch holds max(1, max_tokens // seq_len) windows
-    min_pairs: int = 0  # stop before training when the corpus gives fewer training pairs (0 = any number)
+    min_pairs: int = 0  # gettext:<lang>: stop before training when the catalogs give fewer pairs (0 = any)
     valid_fraction: float = 0.01  # share of an unsplit corpus held out for validation (by a hash of the source)
     test_fraction: float = 0.02  # share held out for test, likewise
     num_workers: int = 0  # DataLoader worker processes

@@ -236,16 +236,41 @@ def read_mo(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def gettext_catalogs(locale_dir: str, lang: str) -> list[Path]:
-    d = Path(locale_dir) / lang / "LC_MESSAGES"
-    files = sorted(d.glob("*.mo")) if d.is_dir() else []
-    if not files:
-        raise DataError(f"gettext:{lang}: no compiled catalogs (*.mo) in {d}; install the language pack "
-                        f"(e.g. language-pack-{lang}) or set data.locale_dir")
-    return files
+def gettext_catalogs(locale_dir: str | list[str], lang: str) -> list[Path]:
+    """Every <dir>/<lang>/LC_MESSAGES/*.mo of the folder(s), in the order given (possibly none)."""
+    dirs = [locale_dir] if isinstance(locale_dir, str) else locale_dir
+    return [f for d in dirs for f in sorted((Path(d) / lang / "LC_MESSAGES").glob("*.mo"))]
 
 
-def gettext_pairs(locale_dir: str, lang: str) -> list[tuple[str, str]]:
+def too_few_catalogs(locale_dir: str | list[str], lang: str, files: int, pairs: int, need: int) -> DataError:
+    """The error of a machine without (enough of) the catalogs: where it looked, what it found, how to install."""
+    dirs = [locale_dir] if isinstance(locale_dir, str) else locale_dir
+    searched = ", ".join(str(Path(d) / lang / "LC_MESSAGES") for d in dirs)
+    pack = {"zh_CN": "zh-hans", "zh_SG": "zh-hans", "zh_TW": "zh-hant", "zh_HK": "zh-hant"}.get(lang)
+    pack = pack or lang.split("_")[0]  # Ubuntu's language-pack-<language>
+    found = f"{pairs:,} English->{lang} pairs in {files} catalog(s)"
+    found += f"; data.min_pairs asks for {need:,}" if need else ""
+    return DataError(
+        f"gettext:{lang}: {found}. Searched: {searched}. Install the catalogs, then run again:\n"
+        f"  Debian: sudo apt-get install iso-codes git gnupg-l10n libc-l10n coreutils  (each package ships its own "
+        f"catalogs; slim images delete them: first remove the 'path-exclude /usr/share/locale' lines from the files "
+        f"in /etc/dpkg/dpkg.cfg.d/, then add --reinstall)\n"
+        f"  Ubuntu: sudo apt-get install language-pack-{pack}  (into /usr/share/locale-langpack)\n"
+        f"or set data.locale_dir to folder(s) holding {lang}/LC_MESSAGES/*.mo, or data.corpus to other text"
+    )
+
+
+def gettext_corpus_pairs(cfg: DataConfig, lang: str) -> tuple[list[tuple[str, str]], list[Path]]:
+    """The pairs of gettext:<lang> and the catalogs they came from; too few (none, or under data.min_pairs) is an
+    error that says where it looked and how to install the catalogs, before any tokenizer or model is trained."""
+    files = gettext_catalogs(cfg.locale_dir, lang)
+    pairs = gettext_pairs(cfg.locale_dir, lang) if files else []
+    if not pairs or len(pairs) < cfg.min_pairs:
+        raise too_few_catalogs(cfg.locale_dir, lang, len(files), len(pairs), cfg.min_pairs)
+    return pairs, files
+
+
+def gettext_pairs(locale_dir: str | list[str], lang: str) -> list[tuple[str, str]]:
     """Every (English, <lang>) pair of the machine's catalogs: deduplicated (first occurrence kept), pairs with
     an empty side or identical sides dropped; unreadable catalogs are skipped with a warning naming them."""
     seen: set[tuple[str, str]] = set()
@@ -427,9 +452,8 @@ def open_parallel(cfg: DataConfig) -> Corpus:
         if lang != cfg.tgt_lang or cfg.src_lang != "en":
             raise DataError(f"data.corpus={spec!r} pairs English with {lang!r}: set data.src_lang='en' and "
                             f"data.tgt_lang={lang!r} (got {cfg.src_lang!r} -> {cfg.tgt_lang!r})")
-        files = gettext_catalogs(cfg.locale_dir, lang)
-        return Corpus(spec, "parallel", {"train": lambda: iter(gettext_pairs(cfg.locale_dir, lang))},
-                      ["gettext", file_identity(files)])
+        pairs, files = gettext_corpus_pairs(cfg, lang)
+        return Corpus(spec, "parallel", {"train": lambda: iter(pairs)}, ["gettext", file_identity(files)])
     if spec.startswith("hf:") or is_saved_dataset(Path(spec)):
         name = spec[3:] if spec.startswith("hf:") else spec
         dsets = load_hf(name)
@@ -461,11 +485,11 @@ def open_documents(cfg: DataConfig) -> Corpus:
         lang, side = parts[1], (parts[2] if len(parts) > 2 else parts[1])
         if len(parts) > 3 or side not in (lang, "en"):
             raise DataError(f"data.corpus={spec!r}: expected gettext-mono:<lang> or gettext-mono:<lang>:en")
-        files = gettext_catalogs(cfg.locale_dir, lang)
+        pairs, files = gettext_corpus_pairs(cfg, lang)
 
         def docs() -> Iterator[str]:
             seen: set[str] = set()
-            for src, tgt in gettext_pairs(cfg.locale_dir, lang):
+            for src, tgt in pairs:
                 text = src if side == "en" else tgt
                 if text not in seen:
                     seen.add(text)
