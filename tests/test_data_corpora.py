@@ -11,7 +11,8 @@ import pytest
 
 from attnlab.config import ConfigError
 from attnlab.data import DataConfig, DataError, open_documents, open_parallel
-from attnlab.data.corpora import SPLITS, gettext_pairs, hash_unit, iter_split, read_mo
+from attnlab.data.corpora import SPLITS, hash_unit, iter_split
+from attnlab.data.gettext import gettext_pairs, read_mo
 
 
 def pairs_of(cfg: DataConfig) -> dict[str, list]:

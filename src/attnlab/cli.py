@@ -9,13 +9,10 @@ naming the key path (with the closest key), exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import json
 import logging
 import sys
 import time
-import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,10 +24,11 @@ from . import __version__
 from .ablate.commands import add_ablate_commands, cmd_ablate
 from .bleu import compound_split_bleu, read_pair
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
-from .config import CHOICES, ConfigError, ModelConfig, field_docs, load_yaml, type_name
+from .cliargs import Parser, check_options, config_help
+from .config import ConfigError, ModelConfig, load_yaml
 from .decode import generate
 from .evaluate import load_module, load_tokenizer, score, translate_lines
-from .experiment import SECTIONS, load_experiment, parse_value
+from .experiment import load_experiment, parse_value
 from .export import export_hf
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
@@ -284,57 +282,6 @@ def cmd_bleu(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
     return 0
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one flag style. Options are registered with dashes (`--ckpt-path`, `--tasks-per-node`, as
-    sbatch and POSIX tools spell them); every option is also accepted with underscores (`--ckpt_path`, the
-    LightningCLI spelling and attnlab's before), for options added later too. `--section.key` overrides are
-    config keys, not options: they keep their field names (`--trainer.max_steps`)."""
-
-    def long_options(self) -> list[str]:
-        return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        args = sys.argv[1:] if args is None else list(args)
-        known = set(self.long_options())
-        out: list[str] = []
-        for i, arg in enumerate(args):
-            if arg == "--":
-                out += args[i:]
-                break
-            name, eq, value = arg.partition("=")
-            dashed = "--" + name[2:].replace("_", "-")
-            out.append(dashed + eq + value if name.startswith("--") and name not in known and dashed in known else arg)
-        ns, rest = super().parse_known_args(out, namespace)
-        if not hasattr(ns, "parser"):  # the innermost (sub)command's parser: it knows the options of the command
-            ns.parser = self
-        return ns, rest
-
-
-def check_options(parser: Parser, rest: list[str]) -> None:
-    """An unknown `--option` (not a dotted config key) is an error with the closest known option."""
-    for arg in rest:
-        name = arg.partition("=")[0]
-        if name.startswith("--") and "." not in name:
-            close = difflib.get_close_matches("--" + name[2:].replace("_", "-"), parser.long_options(), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"unknown option {name}{hint}; config overrides look like --model.norm rmsnorm")
-
-
-def config_help() -> str:
-    """Every config field with its type, default and description (the comment on its line in the source)."""
-    lines = ["config fields: -c FILE (several merge in order), then --section.key VALUE overrides any of these:"]
-    for section, cls in SECTIONS.items():
-        docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        lines.append(f"\n{section}: {(cls.__doc__ or '').strip().splitlines()[0]}")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            kind = type_name(hints[f.name])
-            if section == "model" and f.name in CHOICES:
-                kind = "{" + ",".join(CHOICES[f.name]) + "}"
-            lines.append(f"  --{section}.{f.name} {kind} = {json.dumps(default)}\n      {docs.get(f.name, '')}")
-    return "\n".join(lines)
 
 
 def cmd_export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:

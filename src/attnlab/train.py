@@ -209,7 +209,7 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         with warnings.catch_warnings():
             # on a resume, metrics.csv was moved aside above (nothing is lost), and the datamodule's state resumes
             # the data mid-epoch (Lightning only sees that the DataLoader itself keeps no state)
-            warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+            warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not")
             warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
             trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True if resume else None)
     except SIGTERMException:

@@ -2,8 +2,9 @@
 
 from .batching import TokenBatchSampler, WindowBatchSampler, collate_pairs, collate_windows
 from .config import DataConfig
-from .corpora import DataError, gettext_pairs, open_documents, open_parallel
+from .corpora import DataError, open_documents, open_parallel
 from .datamodule import LMDataModule, TranslationDataModule
+from .gettext import gettext_pairs
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 __all__ = [

@@ -20,6 +20,10 @@ CACHE_KEYS = (*TOKENIZER_KEYS, "max_len", "max_ratio")
 LOCALE_DIRS = ("/usr/share/locale", "/usr/share/locale-langpack")
 
 
+class DataError(ValueError):
+    """Bad input data or an unusable corpus. The message names the file and line, or the key, at fault."""
+
+
 @dataclass(frozen=True)
 class DataConfig(StrictConfig):
     """Corpus, tokenizer and batching. Defaults: the offline demo (English->German UI strings from gettext).
