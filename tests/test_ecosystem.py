@@ -48,6 +48,11 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log_file(tmp_path,
                             r"ETA \d+:\d\d:\d\d", line), line
     validations = [line for line in lines if "validation" in line]
     assert len(validations) == 2 and "val/loss" in validations[0] and "val/bleu" in validations[0]
+    if importlib.util.find_spec("tensorboard"):  # the `tensorboard` extra's viewer reads what the run wrote
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "runs" / "lines" / "tensorboard")).Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [1, 3, 5] and events.Scalars("val/bleu")
 
 
 # ---------------------------------------------------------------------------------------------- loggers
@@ -62,6 +67,7 @@ def test_trainer_loggers_are_checked_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "data_cache").exists()  # stopped before the tokenizer was trained
     exp = load_experiment(recipe, {"trainer.loggers": "csv"})
     assert exp.config_hash() == load_experiment(recipe).config_hash()  # where it logs is not what it trains
+    assert load_experiment(recipe, {"data.min_pairs": 5}).config_hash() == exp.config_hash()  # nor a data check
     assert [type(lg).__name__ for lg in attnlab.train.make_loggers(exp, tmp_path)] == ["CSVLogger"]
 
 

@@ -118,6 +118,7 @@ class Experiment:
         d = self.to_dict()
         for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk", "loggers"):  # chunks: same loss
             d["trainer"].pop(k)
+        d["data"].pop("min_pairs")  # a check before training, not what is trained
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:
