@@ -25,7 +25,8 @@ from test_train import TINY, read_metrics, write_recipe
 
 LM = {
     "model": {"arch": "decoder_only", "d_model": 32, "n_heads": 2, "n_dec_layers": 1, "d_ff": 64, "norm": "rmsnorm",
-              "norm_position": "pre", "position": "rope", "tie_embeddings": "decoder", "dropout": 0.0},
+              "norm_position": "pre", "position": "rope", "tie_embeddings": "decoder", "dropout": 0.0,
+              "ffn": "swiglu", "attn_bias": False, "ffn_bias": False, "scale_embeddings": False},  # Llama's layout
     "data": {"vocab_size": 400, "seq_len": 32, "max_len": 32, "max_tokens": 256, "valid_fraction": 0.05,
              "test_fraction": 0.05},
     "optim": {"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "label_smoothing": 0.0},
@@ -191,14 +192,28 @@ def test_average_the_last_checkpoints_of_a_run(runs, capsys):
     assert "--run_dir" in capsys.readouterr().err
 
 
-def test_missing_tokenizer_and_unreadable_or_foreign_checkpoints_are_exit_2(runs, tmp_path, capsys):
+def test_a_checkpoint_alone_translates_and_an_old_one_needs_its_tokenizer_folder(runs, tmp_path, capsys):
     last = runs["mt"] / "checkpoints" / "last.ckpt"
-    alone = tmp_path / "elsewhere" / "model.ckpt"
+    src = runs["root"] / "two.txt"
+    src.write_text("the red house 5.\nopen the window 7.\n", encoding="utf-8")
+    assert main(["translate", "--ckpt", str(last), "--input", str(src)]) == 0
+    expected = capsys.readouterr().out
+    alone = tmp_path / "elsewhere" / "model.ckpt"  # copied off the cluster: no run directory beside it
     alone.parent.mkdir()
     shutil.copy(last, alone)
+    assert main(["translate", "--ckpt", str(alone), "--input", str(src)]) == 0
+    assert capsys.readouterr().out == expected and expected.count("\n") == 2
+    old = torch.load(alone, weights_only=True)
+    assert old["tokenizer"] == Tokenizer.load(runs["mt"] / "tokenizer").to_files()  # plain strings
+    del old["tokenizer"]  # as checkpoints written before they carried it
+    torch.save(old, alone)
     assert main(["translate", "--ckpt", str(alone)]) == 2
     err = capsys.readouterr().err
-    assert "no tokenizer beside the checkpoint" in err and str(alone.parent / "tokenizer") in err
+    assert "carries no tokenizer" in err and str(alone.parent / "tokenizer") in err
+
+
+def test_unreadable_or_foreign_checkpoints_are_exit_2(runs, tmp_path, capsys):
+    last = runs["mt"] / "checkpoints" / "last.ckpt"
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(last.read_bytes()[:1000])
     foreign = tmp_path / "foreign.ckpt"
@@ -345,3 +360,39 @@ def test_fit_help_describes_the_slurm_options_in_fit_words(capsys):
     with pytest.raises(SystemExit):
         main(["ablate", "submit", "--help"])
     assert "nodes for each trial" in capsys.readouterr().out
+
+
+def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    # runs["mt"] has RMSNorm (no Marian counterpart): the recipe's own post-norm LayerNorm model, trained alike
+    assert main(["export", "--ckpt", str(runs["mt"] / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "x")]) == 2
+    assert "model.norm='rmsnorm' (needs 'layernorm')" in capsys.readouterr().err
+    assert main(["fit", "-c", str(runs["recipe"]), "--trainer.max_steps=6", "--trainer.run_name", "marian"]) == 0
+    mt_ckpt = runs["mt"].with_name("marian") / "checkpoints" / "last.ckpt"
+    lm_ckpt = runs["lm"] / "checkpoints" / "last.ckpt"
+    assert main(["export", "--ckpt", str(mt_ckpt), "--format", "hf", "--out", str(tmp_path / "mt")]) == 0
+    marian = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mt").eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "mt")
+    module, tok = load_module(mt_ckpt), Tokenizer.load(runs["mt"] / "tokenizer")  # the same corpus and settings
+    lines, outputs = [s for s, _ in make_pairs(12, seed=5)], set()
+    for line in lines:
+        src = torch.tensor([tok.encode(line) + [tok.eos_id]])
+        [ours] = module.translate_ids(src, beam=1)
+        limit = int(module.decode_cfg.max_len_a * src.shape[1] + module.decode_cfg.max_len_b)
+        with torch.no_grad():
+            theirs = marian.generate(src, max_new_tokens=limit, do_sample=False, num_beams=1)[0].tolist()
+        assert theirs[0] == tok.bos_id and theirs[1:] == ours + [tok.eos_id][: len(theirs) - 1 - len(ours)], line
+        assert hf_tok.decode(theirs, skip_special_tokens=True) == tok.decode(ours)
+        outputs.add(tuple(ours))
+    assert len(outputs) > 3  # different inputs, different outputs: the comparison is not between empty lines
+
+    assert main(["export", "--ckpt", str(lm_ckpt), "--out", str(tmp_path / "lm")]) == 0
+    llama = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm").eval()
+    lm = load_module(lm_ckpt).model
+    for prompt in ("der Hund", "die Datei", ""):
+        ids = torch.tensor([[tok.eos_id] + Tokenizer.load(runs["lm"] / "tokenizer").encode(prompt, side="tgt")])
+        ours = attnlab.cli.generate(lm, ids, max_new_tokens=15, greedy=True, eos_id=2)[0]
+        with torch.no_grad():
+            theirs = llama.generate(ids, max_new_tokens=15, do_sample=False)[0].tolist()
+        assert theirs == ours and len(ours) > ids.shape[1], prompt
+    assert type(marian).__name__ == "MarianMTModel" and type(llama).__name__ == "LlamaForCausalLM"

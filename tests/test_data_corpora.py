@@ -11,7 +11,8 @@ import pytest
 
 from attnlab.config import ConfigError
 from attnlab.data import DataConfig, DataError, open_documents, open_parallel
-from attnlab.data.corpora import SPLITS, gettext_pairs, hash_unit, iter_split, read_mo
+from attnlab.data.corpora import SPLITS, hash_unit, iter_split
+from attnlab.data.gettext import gettext_pairs, read_mo
 
 
 def pairs_of(cfg: DataConfig) -> dict[str, list]:
@@ -239,8 +240,29 @@ def test_gettext_dedup_drops_and_skips_broken_catalogs(tmp_path, data_write_mo, 
         pairs = gettext_pairs(str(tmp_path / "locale"), "de")
     assert pairs == [("Open", "Öffnen"), ("Save", "Speichern"), ("Open", "Aufmachen")]
     assert "broken.mo" in caplog.text and "trunc.mo" in caplog.text
-    with pytest.raises(DataError, match=r"no compiled catalogs .*fr/LC_MESSAGES"):
+    with pytest.raises(DataError, match=r"gettext:fr: 0 English->fr pairs in 0 catalog\(s\)\. Searched: .*fr/LC_ME"):
         open_parallel(DataConfig(corpus="gettext:fr", tgt_lang="fr", locale_dir=str(tmp_path / "locale")))
+
+
+def test_gettext_reads_every_locale_dir_and_stops_below_min_pairs(tmp_path, data_write_mo):
+    """Ubuntu keeps language packs in /usr/share/locale-langpack: a list of folders is read in order; a machine
+    with too few catalogs stops before anything is trained, saying where it looked and how to install them."""
+    debian, ubuntu = tmp_path / "locale", tmp_path / "locale-langpack"
+    data_write_mo(debian / "de" / "LC_MESSAGES" / "a.mo", [("Open", "Öffnen"), ("Save", "Speichern")])
+    data_write_mo(ubuntu / "de" / "LC_MESSAGES" / "b.mo", [("Save", "Speichern"), ("Quit", "Beenden")])
+    cfg = DataConfig(corpus="gettext:de", locale_dir=[str(debian), str(ubuntu)], valid_fraction=0, test_fraction=0)
+    assert pairs_of(cfg)["train"] == [("Open", "Öffnen"), ("Save", "Speichern"), ("Quit", "Beenden")]
+    assert DataConfig().locale_dir == ["/usr/share/locale", "/usr/share/locale-langpack"]
+    with pytest.raises(DataError) as e:
+        open_parallel(cfg.replace(min_pairs=4))
+    msg = str(e.value)
+    assert "3 English->de pairs in 2 catalog(s); data.min_pairs asks for 4" in msg
+    assert f"Searched: {debian}/de/LC_MESSAGES, {ubuntu}/de/LC_MESSAGES" in msg
+    assert "Debian: sudo apt-get install iso-codes" in msg and "Ubuntu: sudo apt-get install language-pack-de" in msg
+    with pytest.raises(DataError, match="language-pack-zh-hans"):
+        open_parallel(DataConfig(corpus="gettext:zh_CN", tgt_lang="zh_CN", locale_dir=str(debian)))
+    with pytest.raises(ConfigError, match="data.locale_dir"):
+        DataConfig(locale_dir=[])
 
 
 def test_gettext_mono_sides(tmp_path, data_write_mo):

@@ -7,7 +7,7 @@ import unicodedata
 import pytest
 
 from attnlab.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, DataConfig, DataError, Tokenizer, TranslationDataModule
-from attnlab.data.corpora import gettext_pairs
+from attnlab.data.gettext import gettext_pairs
 
 TRICKY = ["", " leading and trailing ", "tabs\tand\nnewlines\r\n", "Cafe\u0301 (NFD) vs Café", "emoji 🦀👍🏽",
           "日本語のテキスト", "zero\u200bwidth", "  multiple   spaces  ", "_File &Open %s %1$d", "Größe ß ẞ",

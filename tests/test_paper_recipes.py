@@ -135,7 +135,8 @@ def test_info_prints_the_comparison_with_the_paper(capsys) -> None:
 # what experiments/demo_en_de.yaml may change of the base recipe: scale, and what its header says scale forces
 DEMO_MAY_DIFFER = {
     "model.d_model", "model.n_heads", "model.n_enc_layers", "model.n_dec_layers", "model.d_ff", "model.dropout",
-    "data.corpus", "data.vocab_size", "data.tokenizer_max_lines", "data.max_tokens", "data.num_workers",
+    "data.corpus", "data.min_pairs", "data.vocab_size", "data.tokenizer_max_lines", "data.max_tokens",
+    "data.num_workers",
     "optim.warmup_steps", "trainer.devices", "trainer.strategy", "trainer.max_time_min", "trainer.val_every",
     "trainer.ckpt_every", "trainer.log_every", "decode.len_penalty", "decode.val_sentences",
     "decode.batch_sentences",

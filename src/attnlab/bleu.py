@@ -33,6 +33,24 @@ from typing import Any
 import sacrebleu
 from sacremoses import MosesTokenizer
 
+from .config import ConfigError
+
+MECAB_EXTRA = "pip install 'attnlab[mecab]'"  # sacreBLEU's ja-mecab and ko-mecab tokenizers need MeCab + dictionary
+
+
+def sacrebleu_bleu(tgt_lang: str = "") -> sacrebleu.metrics.BLEU:
+    """sacreBLEU's BLEU for text in `tgt_lang`, with the tokenizer its CLI picks for `-l xx-<tgt_lang>`: zh for
+    Chinese, ja-mecab for Japanese, ko-mecab for Korean, 13a for every other language (13a would score a
+    Chinese or Japanese phrase, written without spaces, as one word). A locale (zh_CN, pt-BR) counts as its
+    language. The signature names the tokenizer."""
+    lang = re.split(r"[_@.-]", tgt_lang)[0].lower()
+    try:
+        return sacrebleu.metrics.BLEU(trg_lang=lang)
+    except (ImportError, RuntimeError) as e:  # sacreBLEU raises RuntimeError when MeCab or its dictionary is missing
+        tokenizer = sacrebleu.metrics.BLEU._TOKENIZER_MAP.get(lang, "?")
+        raise ConfigError(f"BLEU on {tgt_lang!r} text uses sacreBLEU's {tokenizer} tokenizer, which needs MeCab and "
+                          f"its dictionary: {MECAB_EXTRA} ({type(e).__name__}: {str(e).strip()[:120]})") from None
+
 # perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Perl runs it on bytes, where \S is anything but ASCII
 # whitespace; re.ASCII gives the same classes on str. Matches do not overlap, so `a-b-c` becomes
 # `a ##AT##-##AT## b-c`, exactly as the scripts leave it.

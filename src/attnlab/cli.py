@@ -1,7 +1,9 @@
-"""The `attnlab` command: fit, validate, test, translate, generate, average, info.
+"""The `attnlab` command: fit, validate, test, demo, translate, generate, average, bleu, export, info, ablate.
 
 Follows LightningCLI's conventions: `attnlab fit -c experiments/demo_en_de.yaml --model.norm rmsnorm
---trainer.max_steps 100`; `--ckpt_path last` resumes. Unknown or mistyped keys are errors with the key path.
+--trainer.max_steps 100`; several `-c` files merge in order; `--print-config` prints the resolved recipe;
+`--ckpt-path last` resumes; `attnlab fit --help` lists every config field. Unknown or mistyped keys are errors
+naming the key path (with the closest key), exit status 2.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning  # noqa: F401  (imported before logging is set up: see quiet_third_party)
+import lightning  # imported before logging is set up: see quiet_third_party
 import torch
 
+from . import __version__
 from .ablate.commands import add_ablate_commands, cmd_ablate
 from .bleu import compound_split_bleu, read_pair
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
+from .cliargs import Parser, check_options, config_help
 from .config import ConfigError, ModelConfig, load_yaml
 from .decode import generate
 from .evaluate import (
@@ -35,6 +39,7 @@ from .evaluate import (
     translate_lines,
 )
 from .experiment import load_experiment, parse_value
+from .export import export_hf
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
 from .train import fit, make_trainer, prepare
@@ -176,7 +181,7 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         srcs, refs = dm.split_texts(split)
         hyps = translate_lines(module, dm.tokenizer, srcs, beam=args.beam or exp.decode.beam, device=dev,
                                dtype=decode_dtype(dev, exp.trainer.precision))
-        metrics.update(score(hyps, refs))
+        metrics.update(score(hyps, refs, exp.data.tgt_lang))
         metrics["examples"] = [{"source": s, "reference": r, "hypothesis": h}
                                for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
     metrics["seconds"] = round(time.perf_counter() - t0, 1)
@@ -209,7 +214,7 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     srcs, refs = dm.split_texts("test")
     hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=dev,
                            dtype=decode_dtype(dev, exp.trainer.precision))
-    result = score(hyps, refs)
+    result = score(hyps, refs, exp.data.tgt_lang)
     times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences, {dev})"] = time.perf_counter() - t0
     result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
     result["checkpoints_averaged"] = paths
@@ -217,8 +222,11 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     print(f"\n{'=' * 78}\n{result['bleu_detail']}\nchrF2 = {result['chrf']:.2f}")
     print(f"BLEU signature: {result['bleu_signature']}\nchrF signature: {result['chrf_signature']}")
     print("\nexamples (source / reference / attnlab):")
+    src_label, tgt_label = exp.data.src_lang.upper(), exp.data.tgt_lang.upper()
+    width = max(len(src_label), len(tgt_label), 2)
+    src_label, tgt_label = src_label.ljust(width), tgt_label.ljust(width)
     for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:: max(1, len(srcs) // 5)][:5]:
-        print(f"  EN  {s}\n  DE  {r}\n  MT  {h}\n")
+        print(f"  {src_label}  {s}\n  {tgt_label}  {r}\n  {'MT':<{width}}  {h}\n")
     print("phases:")
     for k, v in times.items():
         print(f"  {k:<48} {v:7.1f} s")
@@ -227,10 +235,11 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    module = load_module(args.ckpt)
+    ckpt = load_checkpoint(args.ckpt)
+    module = load_module(args.ckpt, ckpt=ckpt)
     if not isinstance(module.model_cfg, ModelConfig) or module.model_cfg.arch != "encoder_decoder":
         raise ConfigError(f"{args.ckpt} is not a translation model (model.arch={module.model_cfg.arch})")
-    tok = load_tokenizer(run_dir_of(args.ckpt))
+    tok = load_tokenizer(args.ckpt, ckpt)
     dev = pick_device(args.device)
     name = "<stdin>" if args.input == "-" else args.input
     data = sys.stdin.buffer.read() if args.input == "-" else Path(args.input).read_bytes()
@@ -250,11 +259,12 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    module = load_module(args.ckpt)
+    ckpt = load_checkpoint(args.ckpt)
+    module = load_module(args.ckpt, ckpt=ckpt)
     if module.model_cfg.arch != "decoder_only":
         raise ConfigError(f"{args.ckpt} is not a language model (model.arch={module.model_cfg.arch}); "
                           "attnlab translate decodes translation models")
-    tok = load_tokenizer(run_dir_of(args.ckpt))
+    tok = load_tokenizer(args.ckpt, ckpt)
     dev = pick_device(args.device)
     # LM training streams documents each followed by EOS (no BOS anywhere), so EOS is what precedes the start of a
     # document: the prompt is conditioned on it, and generation stops at the next one
@@ -286,7 +296,7 @@ def cmd_bleu(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """sacreBLEU and chrF of a hypothesis file against a reference file (detokenised text, one sentence a line);
     with --compound-split also the 2017 papers' tokenised BLEU with compound splitting (attnlab.bleu)."""
     hyps, refs = read_pair(args.hyp, args.ref)
-    result: dict[str, Any] = score(hyps, refs)
+    result: dict[str, Any] = score(hyps, refs, args.lang)
     print(f"sacreBLEU (detokenised): {result['bleu_detail']}\n  signature: {result['bleu_signature']}")
     print(f"chrF2: {result['chrf']:.2f}\n  signature: {result['chrf_signature']}")
     if args.compound_split:
@@ -316,32 +326,51 @@ def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
                         "autocast on CUDA where the recipe trains in bf16, fp32 on a CPU")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnlab", description="Transformer research: train, evaluate, ablate.")
+def cmd_export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """A checkpoint as a Hugging Face model folder: LlamaForCausalLM or MarianMTModel (attnlab.export)."""
+    out = export_hf(args.ckpt, args.out)
+    print(f"exported {args.ckpt} -> {out}  (transformers: AutoModel*.from_pretrained / AutoTokenizer.from_pretrained)")
+    return 0
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="attnlab", description="Transformer research: train, evaluate, ablate. Options may be spelled "
+               "with dashes or underscores (--ckpt-path, --ckpt_path).")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--version", action="version",
+                   version=f"attnlab {__version__} (torch {torch.__version__}, lightning {lightning.__version__})")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter breakdown and training FLOPs of a config, without building it")
     info.add_argument("config", help="YAML: a model config, or an experiment recipe")
     info.add_argument("--seq-len", type=int, default=128, help="(target) sequence length for FLOPs")
     info.add_argument("--src-len", type=int, default=128, help="source length for encoder-decoder FLOPs")
-    fit_p = sub.add_parser("fit", help="train an experiment; extra --section.key value pairs override the recipe")
-    fit_p.add_argument("-c", "--config", required=True)
-    fit_p.add_argument("--ckpt_path", default=None, help="'last' resumes the run's last checkpoint, or a path")
+    recipe = {"epilog": config_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+    def add_config(q: argparse.ArgumentParser) -> None:
+        q.add_argument("-c", "--config", action="append", required=True, metavar="FILE",
+                       help="experiment recipe; several -c merge in order, later ones overriding earlier ones")
+        q.add_argument("--print-config", action="store_true",
+                       help="print the resolved recipe (files, base: chain and overrides merged) as YAML and exit")
+
+    fit_p = sub.add_parser("fit", help="train an experiment; extra --section.key value pairs override the recipe",
+                           **recipe)
+    add_config(fit_p)
+    fit_p.add_argument("--ckpt-path", default=None, help="'last' resumes the run's last checkpoint, or a path")
     fit_p.add_argument("--slurm", action="store_true", help="submit this run as a SLURM job (sbatch) instead")
     fit_p.add_argument("--dry-run", action="store_true",
                        help="print the resolved config (with --slurm: the job script); train and submit nothing")
     add_slurm_args(fit_p, "fit")
     for name in ("validate", "test"):
-        e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split")
-        e.add_argument("-c", "--config", required=True)
+        e = sub.add_parser(name, help=f"evaluate a checkpoint on the {name} split", **recipe)
+        add_config(e)
         e.add_argument("--ckpt", required=True)
         e.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
         add_device_arg(e)
-    demo = sub.add_parser("demo", help="fit + average + beam-search test BLEU: what `make demo` runs")
-    demo.add_argument("-c", "--config", required=True)
+    demo = sub.add_parser("demo", help="fit + average + beam-search test BLEU: what `make demo` runs", **recipe)
+    add_config(demo)
     add_device_arg(demo, "the decoding of the test split (training follows trainer.accelerator)")
     tr = sub.add_parser("translate", help="translate lines from a file or stdin with a checkpoint")
-    tr.add_argument("--ckpt", required=True)
+    tr.add_argument("--ckpt", required=True, help="a checkpoint; it carries its tokenizer")
     tr.add_argument("--input", default="-")
     tr.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
     add_device_arg(tr)
@@ -349,30 +378,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ckpt", required=True)
     add_device_arg(gen)
     gen.add_argument("--prompt", default="")
-    gen.add_argument("--max_new_tokens", type=int, default=50)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top_k", type=int, default=0)
-    gen.add_argument("--top_p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     bleu = sub.add_parser("bleu", help="sacreBLEU/chrF of a hypothesis file; --compound-split adds the paper's BLEU")
     bleu.add_argument("--hyp", required=True, help="hypotheses, detokenised, one sentence a line")
     bleu.add_argument("--ref", required=True, help="references, detokenised, line-aligned with --hyp")
     bleu.add_argument("--compound-split", action="store_true",
                       help="also Moses-tokenised BLEU with ##AT## compound splitting (get_ende_bleu.sh)")
-    bleu.add_argument("--lang", default="de", help="Moses tokenizer language for --compound-split (target side)")
+    bleu.add_argument("--lang", default="de", help="target language, as sacreBLEU's -l: its tokenizer (zh, ja-mecab, "
+                      "ko-mecab, else 13a) and the Moses tokenizer's language for --compound-split")
     bleu.add_argument("--json", default=None, help="also write the scores to this JSON file")
     avg = sub.add_parser("average", help="average checkpoints (the last N of a run, or those given)")
-    avg.add_argument("--run_dir", default=None)
+    avg.add_argument("--run-dir", default=None)
     avg.add_argument("--last", type=int, default=5)
     avg.add_argument("--ckpts", nargs="*", default=None)
     avg.add_argument("--out", default=None)
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (Llama or Marian)")
+    ex.add_argument("--ckpt", required=True)
+    ex.add_argument("--format", choices=("hf",), default="hf", help="hf: safetensors + config.json + tokenizer")
+    ex.add_argument("--out", required=True, help="output folder (created; must be empty if it exists)")
     add_ablate_commands(sub)
     return p
 
 
 COMMANDS = {"ablate": cmd_ablate, "info": cmd_info, "fit": cmd_fit, "demo": cmd_demo, "validate": cmd_eval,
             "test": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "average": cmd_average,
-            "bleu": cmd_bleu}
+            "bleu": cmd_bleu, "export": cmd_export}
 
 
 def quiet_third_party(verbose: bool) -> None:
@@ -400,9 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     quiet_third_party(args.verbose)
     try:
+        check_options(args.parser, rest)
         overrides = parse_overrides(rest)
         if overrides and args.command not in ("fit", "validate", "test", "demo", "ablate"):
             raise ConfigError(f"attnlab {args.command} takes no --section.key overrides: {list(overrides)}")
+        if getattr(args, "print_config", False):
+            print(load_experiment(args.config, overrides).to_yaml(), end="")
+            return 0
         fn = COMMANDS[args.command]
         return fn(args) if args.command == "info" else fn(args, overrides)
     except (ConfigError, FileNotFoundError, ValueError) as e:

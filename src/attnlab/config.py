@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
 import math
+import tokenize
 import types
 import typing
 from collections.abc import Collection
@@ -69,40 +73,40 @@ class ModelConfig(StrictConfig):
 
     prefix: typing.ClassVar[str] = "model"
 
-    arch: str = "encoder_decoder"
+    arch: str = "encoder_decoder"  # encoder_decoder (translation), decoder_only (LM) or encoder_only
     vocab_size: int = 32000  # target vocabulary (and source too when src_vocab_size is 0)
     src_vocab_size: int = 0  # 0 = same as vocab_size (joint vocabulary)
-    d_model: int = 512
-    n_heads: int = 8
+    d_model: int = 512  # width of the residual stream
+    n_heads: int = 8  # attention heads (query heads)
     n_kv_heads: int = 0  # 0 = n_heads (MHA); 1 = MQA (Shazeer 2019); in between = GQA (Ainslie et al. 2023)
     n_enc_layers: int = 6  # used by encoder_decoder and encoder_only
     n_dec_layers: int = 6  # used by encoder_decoder and decoder_only
     d_ff: int = 0  # 0 = derived: 4*d for relu/gelu, 8/3*d rounded up to ffn_multiple_of for gated FFNs
-    ffn_multiple_of: int = 256
+    ffn_multiple_of: int = 256  # a derived gated-FFN width is rounded up to a multiple of this
     max_seq_len: int = 1024  # size of a learned position table; positions beyond it are an error
-    norm: str = "layernorm"
-    norm_position: str = "post"
-    norm_eps: float = 1e-5
-    ffn: str = "relu"
-    attn_bias: bool = True
-    ffn_bias: bool = True
+    norm: str = "layernorm"  # layernorm (Ba et al. 2016) or rmsnorm (Zhang & Sennrich 2019)
+    norm_position: str = "post"  # post (Vaswani 2017), pre (Xiong 2020) or sandwich (Ding 2021)
+    norm_eps: float = 1e-5  # epsilon inside every norm
+    ffn: str = "relu"  # FFN activation; reglu, geglu, swiglu are gated (Shazeer 2020)
+    attn_bias: bool = True  # biases in the attention projections
+    ffn_bias: bool = True  # biases in the FFN projections
     norm_bias: bool = True  # LayerNorm's additive bias; RMSNorm has none by definition
-    block: str = "serial"
-    qk_norm: bool = False
-    position: str = "sinusoidal"
-    rope_theta: float = 10000.0
+    block: str = "serial"  # serial (attention then FFN) or parallel (both from one input: GPT-J, PaLM)
+    qk_norm: bool = False  # normalise each head's queries and keys (Dehghani et al. 2023)
+    position: str = "sinusoidal"  # sinusoidal, learned, rope (Su 2021), alibi (Press 2022) or none
+    rope_theta: float = 10000.0  # RoPE base frequency
     rope_fraction: float = 1.0  # share of each head's dims that rotate (GPT-NeoX rotary_pct)
-    tie_embeddings: str = "all"
-    scale_embeddings: bool = True
-    dropout: float = 0.1
-    attn_dropout: float = 0.0
+    tie_embeddings: str = "all"  # none, decoder (decoder input = output table) or all (source, target, output)
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (Vaswani 2017)
+    dropout: float = 0.1  # residual and embedding dropout
+    attn_dropout: float = 0.0  # dropout on attention probabilities
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c) (Gemma 2)
     attn_softcap: float = 0.0  # 0 = off; else scores = c * tanh(scores / c) (Gemma 2)
     z_loss: float = 0.0  # coefficient of alpha * log(Z)^2 (PaLM); applied by the training loss
-    attention_backend: str = "sdpa"
-    init: str = "xavier"
+    attention_backend: str = "sdpa"  # sdpa (PyTorch), flash_attn (the flash-attn package) or eager
+    init: str = "xavier"  # xavier (fairseq) or normal (GPT-2 style, init_std)
     init_std: float = 0.02  # std of normal init (init="normal")
-    pad_id: int = 0
+    pad_id: int = 0  # padding token id (set from the tokenizer by fit)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -228,10 +232,6 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def check_types(obj: Any, prefix: str | None = None) -> None:
     """Raise ConfigError naming the field when a dataclass field holds a value of the wrong type."""
     prefix = prefix or getattr(obj, "prefix", "") or type(obj).__name__.lower()
@@ -240,7 +240,7 @@ def check_types(obj: Any, prefix: str | None = None) -> None:
         value = getattr(obj, f.name)
         if not _type_ok(value, hints[f.name]):
             raise ConfigError(
-                f"{prefix}.{f.name}={value!r} has type {type(value).__name__}, expected {_type_name(hints[f.name])}"
+                f"{prefix}.{f.name}={value!r} has type {type(value).__name__}, expected {type_name(hints[f.name])}"
             )
     # ints given for float fields become floats, so a config compares and serialises the same either way
     for f in fields(obj):
@@ -262,8 +262,34 @@ def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
     hints_t = typing.get_type_hints(cls)
     for k, v in d.items():
         if not _type_ok(v, hints_t[k]):
-            raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {_type_name(hints_t[k])}")
+            raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {type_name(hints_t[k])}")
     return cls(**d)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its one-line description: the comment at the end of the field's line in the class source,
+    the one place a description is written (`attnlab fit --help` lists them; tests require one per field)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source shipped: help shows types and defaults only
+        return {}
+    docs: dict[str, str] = {}
+    line_start: tokenize.TokenInfo | None = None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.NEWLINE, tokenize.NL):
+            line_start = None
+        elif line_start is None and tok.type not in (tokenize.INDENT, tokenize.DEDENT):
+            line_start = tok
+        if tok.type == tokenize.COMMENT and line_start is not None and line_start.type == tokenize.NAME:
+            docs.setdefault(line_start.string, tok.string.lstrip("#").strip())
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in docs.items() if k in names}
+
+
+def type_name(tp: Any) -> str:
+    """`int`, `str | list[str]`: a type hint as a user reads it."""
+    return getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
@@ -296,19 +322,19 @@ class OptimConfig(StrictConfig):
     prefix: typing.ClassVar[str] = "optim"
 
     lr: float = 1.0  # peak lr; for schedule=noam the scale factor of d^-0.5 * min(s^-0.5, s * w^-1.5)
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-9
-    weight_decay: float = 0.0
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.98  # AdamW beta2 (the paper's 0.98)
+    eps: float = 1e-9  # AdamW epsilon (the paper's 1e-9)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
     decay_norms_biases_embeddings: bool = False  # False: those parameters get no weight decay
     schedule: str = "noam"  # noam | inverse_sqrt | cosine | wsd | constant
-    warmup_steps: int = 4000
+    warmup_steps: int = 4000  # linear warmup steps of the schedule
     min_lr_ratio: float = 0.0  # floor of cosine and wsd, as a fraction of lr
     decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying
     max_steps: int = 100000  # the schedule's horizon (cosine, wsd)
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     accumulate: int = 1  # gradient accumulation steps
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # label smoothing of the training loss (the paper's 0.1)
 
     def __post_init__(self) -> None:
         check_types(self, "optim")
@@ -338,11 +364,11 @@ class DecodeConfig(StrictConfig):
 
     prefix: typing.ClassVar[str] = "decode"
 
-    beam: int = 4
+    beam: int = 4  # beam size for test and translate (1 = greedy)
     len_penalty: float = 0.6  # alpha
     penalty: str = "gnmt"  # gnmt: ((5 + len) / 6)^alpha (Wu et al. 2016); fairseq: len^alpha
     max_len_a: float = 1.0  # max output length = a * source length + b
-    max_len_b: int = 50
+    max_len_b: int = 50  # see max_len_a
     val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
     val_sentences: int = 500  # about this many sentences, every k-th of the split, decoded for BLEU/chrF; 0 = none
     batch_sentences: int = 64  # at most this many sentences per decoding batch (test, translate)

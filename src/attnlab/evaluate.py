@@ -17,6 +17,7 @@ import sacrebleu
 import torch
 from tqdm.auto import tqdm
 
+from .bleu import sacrebleu_bleu
 from .checkpoints import load_checkpoint
 from .config import ConfigError, DecodeConfig, load_yaml
 from .data.tokenizer import Tokenizer
@@ -31,18 +32,26 @@ def run_dir_of(ckpt_path: str | Path) -> Path:
     return p.parent.parent if p.parent.name == "checkpoints" else p.parent
 
 
-def load_tokenizer(run_dir: Path) -> Tokenizer:
-    tok_dir = run_dir / "tokenizer"
+def load_tokenizer(ckpt_path: str | Path, ckpt: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: the one it carries (so a .ckpt copied anywhere is enough), or,
+    for a checkpoint written before checkpoints carried it, the run directory's tokenizer/ folder."""
+    ckpt = load_checkpoint(ckpt_path) if ckpt is None else ckpt
+    if isinstance(ckpt.get("tokenizer"), dict):
+        return Tokenizer.from_files(ckpt["tokenizer"], f"{ckpt_path} (its tokenizer)")
+    tok_dir = run_dir_of(ckpt_path) / "tokenizer"
     if not tok_dir.exists():
         raise FileNotFoundError(
-            f"no tokenizer beside the checkpoint: expected {tok_dir} (fit writes it into the run directory)"
+            f"{ckpt_path} carries no tokenizer (written by an older attnlab) and there is none beside it: expected "
+            f"{tok_dir} (fit writes it into the run directory)"
         )
     return Tokenizer.load(tok_dir)
 
 
-def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Seq2SeqModule | LMModule:
-    """Rebuild the exact model from the checkpoint's hyper-parameters and load its weights (eval mode)."""
-    ckpt = load_checkpoint(ckpt_path)
+def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None,
+                ckpt: dict[str, Any] | None = None) -> Seq2SeqModule | LMModule:
+    """Rebuild the exact model from the checkpoint's hyper-parameters and load its weights (eval mode). `ckpt`: the
+    checkpoint already read from `ckpt_path`, if it was."""
+    ckpt = load_checkpoint(ckpt_path) if ckpt is None else ckpt
     hp: dict[str, Any] = dict(ckpt["hyper_parameters"])
     hp["compile"] = False
     try:
@@ -160,9 +169,10 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     return out
 
 
-def score(hyps: list[str], refs: list[str]) -> dict[str, Any]:
-    """sacreBLEU and chrF on detokenised text, with their signatures."""
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+def score(hyps: list[str], refs: list[str], tgt_lang: str = "") -> dict[str, Any]:
+    """sacreBLEU (with the tokenizer for `tgt_lang`, see `bleu.sacrebleu_bleu`) and chrF on detokenised text, with
+    their signatures."""
+    bleu, chrf = sacrebleu_bleu(tgt_lang), sacrebleu.metrics.CHRF()
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return {"bleu": round(b.score, 2), "chrf": round(c.score, 2), "bleu_signature": str(bleu.get_signature()),
             "chrf_signature": str(chrf.get_signature()), "bleu_detail": str(b), "sentences": len(hyps)}

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from .config import (
     load_yaml,
     one_of,
 )
-from .data.config import DataConfig
+from .data.config import LOCALE_DIRS, DataConfig
+
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")  # Lightning's loggers that trainer.loggers names
 
 
 @dataclass(frozen=True)
@@ -36,28 +39,33 @@ class TrainConfig(StrictConfig):
 
     prefix: typing.ClassVar[str] = "trainer"
 
-    max_steps: int = 100000
+    max_steps: int = 100000  # optimizer steps to train
     max_time_min: float = 0.0  # wall-clock budget in minutes; 0 = none. Stops cleanly with a checkpoint
     val_every: int = 1000  # validate every N optimizer steps
     limit_val_batches: int = 0  # 0 = the whole validation split
     ckpt_every: int = 1000  # checkpoint every N optimizer steps (and at the end)
     keep_checkpoints: int = 5  # step checkpoints kept besides last.ckpt (at least decode.average_last)
-    log_every: int = 50
+    log_every: int = 50  # log metrics (and a progress line when not on a terminal) every N steps
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
-    accelerator: str = "auto"
+    accelerator: str = "auto"  # auto | cpu | gpu (Lightning's accelerator)
     devices: int = 1  # -1: all visible devices
-    num_nodes: int = 1
+    num_nodes: int = 1  # machines (SLURM jobs take it from SLURM)
     strategy: str = "auto"  # auto | ddp | fsdp
     compile: bool = False  # torch.compile each block
     loss_chunk: int = 0  # > 0: training loss without the batch's logits, this many tokens at a time; 0 = plain
-    seed: int = 1
-    runs_dir: str = "runs"
+    seed: int = 1  # seed of initialisation, dropout and batch order
+    runs_dir: str = "runs"  # where run directories are created
     run_name: str = ""  # "" = <recipe name>-<config hash>
-    progress_bar: bool = True
+    loggers: str = "csv,tensorboard"  # comma-separated: csv, tensorboard, wandb, mlflow (the last two are extras)
+    progress_bar: bool = True  # progress: a bar on a terminal, plain lines every log_every steps otherwise
 
     def __post_init__(self) -> None:
         check_types(self, "trainer")
         one_of("strategy", self.strategy, ("auto", "ddp", "fsdp"), "trainer")
+        unknown = [n for n in self.logger_names if n not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.loggers={self.loggers!r}: {', '.join(unknown)} is not one of: "
+                              f"{', '.join(LOGGERS)} (comma-separated)")
         one_of("precision", self.precision, ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"), "trainer")
         for key in ("max_steps", "val_every", "ckpt_every", "log_every", "num_nodes", "keep_checkpoints"):
             if getattr(self, key) < 1:
@@ -72,12 +80,26 @@ class TrainConfig(StrictConfig):
             raise ConfigError("trainer.loss_chunk is not supported with trainer.strategy=fsdp")
 
 
+    @property
+    def logger_names(self) -> list[str]:
+        return [n.strip() for n in self.loggers.split(",") if n.strip()]
+
+
 SECTIONS: dict[str, type[StrictConfig]] = {
     "model": ModelConfig,
     "data": DataConfig,
     "optim": OptimConfig,
     "trainer": TrainConfig,
     "decode": DecodeConfig,
+}
+
+
+_ABSENT = object()
+# Fields added, or whose default changed, after run directories were first named by `config_hash`: while a field
+# holds its new default it is hashed as runs made before had it (absent, or the old default), so those runs keep
+# their directories (`--ckpt_path last` finds them; a study does not re-run them).
+HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
+    ("data", "locale_dir"): (list(LOCALE_DIRS), "/usr/share/locale"),
 }
 
 
@@ -103,10 +125,16 @@ class Experiment:
     def config_hash(self) -> str:
         """Identity of what is trained: everything but where and how it is logged."""
         d = self.to_dict()
-        for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk"):  # loss_chunk: same loss
+        for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk", "loggers"):  # chunks: same loss
             d["trainer"].pop(k)
-        d["decode"].pop("max_tokens")  # how test and translate batch their decoding (batch_sentences is in for
-        # the hashes of runs made before max_tokens existed)
+        d["decode"].pop("max_tokens")  # how test and translate batch their decoding
+        d["data"].pop("min_pairs")  # a check before training, not what is trained
+        for (section, key), (now, then) in HASHED_AS_BEFORE.items():
+            if d[section][key] == now:
+                if then is _ABSENT:
+                    d[section].pop(key)
+                else:
+                    d[section][key] = then
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:
@@ -145,8 +173,9 @@ def merge(base: dict[str, Any], over: dict[str, Any], source: str) -> dict[str, 
     return out
 
 
-def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe with its `base:` chain resolved, as plain dicts."""
+def load_raw(path: Path, seen: tuple[Path, ...] = (), default_name: bool = True) -> dict[str, Any]:
+    """A recipe with its `base:` chain resolved, as plain dicts. Its name: its own `name:`, else its base's, else
+    (with `default_name`) the file's stem."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: circular base: chain {' -> '.join(str(p) for p in seen)}")
@@ -157,19 +186,26 @@ def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = raw.pop("base", None)
     if base is not None:
         raw = merge(load_raw(path.parent / base, (*seen, path)), raw, str(path))
-    raw.setdefault("name", path.stem)
+    if default_name:
+        raw.setdefault("name", path.stem)
     return raw
 
 
-def load_experiment(path: str | Path, overrides: dict[str, Any] | None = None) -> Experiment:
-    """Load a recipe, apply dotted overrides ({"model.norm": "rmsnorm"}), validate every section."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"experiment file not found: {path}")
-    raw = load_raw(path)
+def load_experiment(paths: str | Path | Sequence[str | Path], overrides: dict[str, Any] | None = None) -> Experiment:
+    """Load a recipe, or several merged in order (`-c a.yaml -c b.yaml`: b's values override a's, section by
+    section, as a `base:` would; the name is the first file's unless a later one sets `name:`), apply dotted
+    overrides ({"model.norm": "rmsnorm"}), validate every section."""
+    paths = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+    if not paths:
+        raise ConfigError("no experiment file given (-c FILE)")
+    raw: dict[str, Any] = {}
+    for i, path in enumerate(paths):
+        if not path.exists():
+            raise ConfigError(f"experiment file not found: {path}")
+        raw = merge(raw, load_raw(path, default_name=i == 0), str(path))
     for dotted, value in (overrides or {}).items():
         apply_override(raw, dotted, value)
-    return from_raw(raw, str(path))
+    return from_raw(raw, " + ".join(str(p) for p in paths))
 
 
 def from_raw(raw: dict[str, Any], source: str = "<dict>") -> Experiment:

@@ -6,6 +6,7 @@ across resumes in rundir.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -16,20 +17,24 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from .bleu import sacrebleu_bleu
 from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
+from .config import ConfigError
 from .data.datamodule import LMDataModule, TranslationDataModule
 from .experiment import Experiment
 from .lit import LMModule, Seq2SeqModule
 from .models.block import Block
+from .progress import progress_callback
 from .rundir import archive_previous, keep_metrics, write_run_dir
 
 log = logging.getLogger("attnlab")
+EXTRA_LOGGERS = ("wandb", "mlflow")  # optional extras: attnlab[wandb], attnlab[mlflow]
 
 
 def make_datamodule(exp: Experiment) -> TranslationDataModule | LMDataModule:
@@ -53,16 +58,53 @@ def make_module(exp: Experiment, dm=None):
           "loss_chunk": exp.trainer.loss_chunk}
     if exp.task == "translation":
         module = Seq2SeqModule(decode=exp.decode.to_dict(), bos_id=getattr(dm, "bos_id", 1),
-                               eos_id=getattr(dm, "eos_id", 2), **kw)
+                               eos_id=getattr(dm, "eos_id", 2), tgt_lang=exp.data.tgt_lang, **kw)
         if dm is not None:
             module.set_tokenizer(dm.tokenizer.decode_batch)
-        return module
-    return LMModule(**kw)
+    else:
+        module = LMModule(**kw)
+    if dm is not None:
+        module.tokenizer_files = dm.tokenizer.to_files()
+    return module
+
+
+def check_extras(exp: Experiment) -> None:
+    """Before any work: the optional packages this experiment needs are installed (loggers, MeCab for BLEU)."""
+    t = exp.trainer
+    missing = [n for n in t.logger_names if n in EXTRA_LOGGERS and importlib.util.find_spec(n) is None]
+    if missing:
+        raise ConfigError(f"trainer.loggers={t.loggers!r} names {', '.join(missing)}, which is not installed: "
+                          f"pip install 'attnlab[{','.join(missing)}]' (or drop it from trainer.loggers)")
+    if exp.task == "translation":
+        sacrebleu_bleu(exp.data.tgt_lang)  # the validation BLEU's tokenizer for the target language
+
+
+def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:
+    """Lightning's own loggers, as trainer.loggers names them: csv -> <run>/logs/metrics.csv (what the ablation
+    tables read), tensorboard -> <run>/tensorboard/, wandb -> a W&B run named after the run directory (project
+    $WANDB_PROJECT or attnlab; WANDB_MODE=offline keeps it in <run>/wandb/), mlflow -> an MLflow run in the
+    experiment named after the recipe, in $MLFLOW_TRACKING_URI or else <runs_dir>/mlflow.db (MLflow's local SQLite
+    store: no server; `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db` shows it)."""
+    t = exp.trainer
+    check_extras(exp)
+    made: list[Logger] = []
+    for name in t.logger_names:
+        if name == "csv":
+            made.append(CSVLogger(str(run_dir), name="", version="logs", flush_logs_every_n_steps=t.log_every))
+        elif name == "tensorboard":
+            made.append(TensorBoardLogger(str(run_dir), name="", version="tensorboard"))
+        elif name == "wandb":
+            made.append(WandbLogger(name=run_dir.name, project=os.environ.get("WANDB_PROJECT", "attnlab"),
+                                    save_dir=str(run_dir)))
+        elif name == "mlflow":
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(t.runs_dir).resolve() / 'mlflow.db'}"
+            made.append(MLFlowLogger(experiment_name=exp.name, run_name=run_dir.name, tracking_uri=uri))
+    return made
 
 
 def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback] | None = None,
                  **overrides: Any) -> L.Trainer:
-    """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), CSV + TensorBoard logs.
+    """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), trainer.loggers.
     `extra_callbacks` are added to those; `overrides` replace Trainer arguments."""
     t = exp.trainer
     gpu = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
@@ -92,8 +134,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         save_on_train_epoch_end=True,
     )
     callbacks = [ckpt, *(extra_callbacks or [])]
-    if t.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=max(1, t.log_every // 5)))
+    if t.progress_bar:  # a bar on a terminal, plain lines in a log file
+        callbacks.append(progress_callback(t.log_every, run_dir.name))
     kwargs: dict[str, Any] = dict(
         max_steps=t.max_steps,
         max_time=timedelta(minutes=t.max_time_min) if t.max_time_min else None,
@@ -113,8 +155,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
-        logger=[CSVLogger(str(run_dir), name="", version="logs", flush_logs_every_n_steps=t.log_every),
-                TensorBoardLogger(str(run_dir), name="", version="tensorboard")],
+        logger=make_loggers(exp, run_dir),
         callbacks=callbacks,
         plugins=plugins,
     )
@@ -147,6 +188,7 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
     checkpoint). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then the process exits with
     status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run."""
+    check_extras(exp)
     dm, exp = prepare(exp)
     run_dir = exp.run_dir()
     resume = find_resume(run_dir, ckpt_path)
@@ -167,13 +209,17 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         with warnings.catch_warnings():
             # on a resume, metrics.csv was moved aside above (nothing is lost), and the datamodule's state resumes
             # the data mid-epoch (Lightning only sees that the DataLoader itself keeps no state)
-            warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+            warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not")
             warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
             trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True if resume else None)
     except SIGTERMException:
-        log.warning("SIGTERM at step %d: state saved to %s; continue with --ckpt_path last", trainer.global_step,
+        log.warning("SIGTERM at step %d: state saved to %s; continue with --ckpt-path last", trainer.global_step,
                     run_dir / "checkpoints" / "last.ckpt")
         raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        for logger in trainer.loggers:  # a W&B run stays open until finished: the next fit in this process would
+            if isinstance(logger, WandbLogger) and trainer.global_rank == 0:  # log into it
+                logger.experiment.finish()
     # the final state, whatever the checkpoint interval: a step checkpoint (for averaging) and last.ckpt.
     # Every rank must take the same branch (save_checkpoint is collective): rank 0 decides.
     step_ckpt = run_dir / "checkpoints" / f"step={trainer.global_step}.ckpt"

@@ -262,7 +262,7 @@ def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, A
     """The experiment a point runs: its own run directory <study>/runs/<name>-<config hash>, named up front
     so a rerun of the point finds the checkpoint of an earlier, interrupted attempt."""
     exp = spec.experiment(overrides, seed)
-    exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs"), progress_bar=False))
+    exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs")))
     return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}"))
 
 

@@ -1,10 +1,10 @@
 """Data: corpora, byte-level BPE tokenizers, memory-mapped token caches, token-count batching, datamodules."""
 
 from .batching import TokenBatchSampler, WindowBatchSampler, collate_pairs, collate_windows
-from .config import DataConfig
-from .corpora import gettext_pairs, open_documents, open_parallel
+from .config import DataConfig, DataError
+from .corpora import open_documents, open_parallel
 from .datamodule import LMDataModule, TranslationDataModule
-from .readers import DataError
+from .gettext import gettext_pairs
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 __all__ = [

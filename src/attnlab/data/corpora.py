@@ -16,16 +16,15 @@ import hashlib
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .config import DataConfig
+from .config import DataConfig, DataError
+from .gettext import gettext_corpus_pairs
 from .readers import (
-    DataError,
     need_file,
     pair_from_record,
     read_aligned,
@@ -77,84 +76,6 @@ def iter_split(corpus: Corpus, valid_fraction: float, test_fraction: float) -> I
                 yield split_of, ex
             else:
                 yield split, ex
-
-
-# ---------------------------------------------------------------------------------------------
-# gettext catalogs (.mo), parsed here: the format is 7 little- or big-endian uint32s and two tables
-# ---------------------------------------------------------------------------------------------
-def read_mo(path: Path) -> list[tuple[str, str]]:
-    """(English, translation) pairs of one compiled catalog. The "" header entry is skipped, msgctxt prefixes
-    (`ctx\\x04msgid`) removed, plural entries give (msgid, form 0) and (msgid_plural, form 1).
-    A malformed catalog raises DataError."""
-    data = path.read_bytes()
-    if len(data) < 28:
-        raise DataError(f"{path}: too short for a .mo catalog ({len(data)} bytes)")
-    magic = struct.unpack("<I", data[:4])[0]
-    order = "<" if magic == 0x950412DE else ">" if magic == 0xDE120495 else None
-    if order is None:
-        raise DataError(f"{path}: bad .mo magic number {magic:#010x}")
-    revision, n, orig_at, trans_at = struct.unpack(order + "4I", data[4:20])
-    if revision >> 16 > 1:
-        raise DataError(f"{path}: unsupported .mo major revision {revision >> 16}")
-    if max(orig_at, trans_at) + 8 * n > len(data):
-        raise DataError(f"{path}: string tables run past the end of the file (truncated?)")
-    raw: list[tuple[bytes, bytes]] = []
-    for i in range(n):
-        olen, ooff = struct.unpack_from(order + "2I", data, orig_at + 8 * i)
-        tlen, toff = struct.unpack_from(order + "2I", data, trans_at + 8 * i)
-        if ooff + olen > len(data) or toff + tlen > len(data):
-            raise DataError(f"{path}: entry {i} points past the end of the file (truncated?)")
-        raw.append((data[ooff:ooff + olen], data[toff:toff + tlen]))
-    charset = "utf-8"
-    for msgid, msgstr in raw:
-        if msgid == b"":  # the header entry: "Content-Type: text/plain; charset=UTF-8" and friends
-            for line in msgstr.decode("ascii", "replace").splitlines():
-                if line.lower().startswith("content-type:") and "charset=" in line:
-                    charset = line.split("charset=", 1)[1].strip() or "utf-8"
-    pairs: list[tuple[str, str]] = []
-    try:
-        for msgid, msgstr in raw:
-            if msgid == b"":
-                continue
-            src = msgid.decode(charset)
-            src = src.split("\x04", 1)[-1]  # msgctxt "\x04" msgid
-            srcs, tgts = src.split("\x00"), msgstr.decode(charset).split("\x00")
-            pairs.extend(zip(srcs[:2], tgts[:2], strict=False))  # singular/form 0, plural/form 1
-    except (UnicodeDecodeError, LookupError) as e:
-        raise DataError(f"{path}: cannot decode as {charset!r}: {e}") from None
-    return pairs
-
-
-def gettext_catalogs(locale_dir: str, lang: str) -> list[Path]:
-    d = Path(locale_dir) / lang / "LC_MESSAGES"
-    files = sorted(d.glob("*.mo")) if d.is_dir() else []
-    if not files:
-        raise DataError(f"gettext:{lang}: no compiled catalogs (*.mo) in {d}; install the language pack "
-                        f"(e.g. language-pack-{lang}) or set data.locale_dir")
-    return files
-
-
-def gettext_pairs(locale_dir: str, lang: str) -> list[tuple[str, str]]:
-    """Every (English, <lang>) pair of the machine's catalogs: deduplicated (first occurrence kept), pairs with
-    an empty side or identical sides dropped; unreadable catalogs are skipped with a warning naming them."""
-    seen: set[tuple[str, str]] = set()
-    out: list[tuple[str, str]] = []
-    skipped: list[str] = []
-    for path in gettext_catalogs(locale_dir, lang):
-        try:
-            pairs = read_mo(path)
-        except (DataError, OSError) as e:
-            log.warning("skipping broken gettext catalog %s: %s", path, e)
-            skipped.append(path.name)
-            continue
-        for src, tgt in pairs:
-            if not src.strip() or not tgt.strip() or src == tgt or (src, tgt) in seen:
-                continue
-            seen.add((src, tgt))
-            out.append((src, tgt))
-    if skipped:
-        log.warning("gettext:%s: skipped %d broken catalog(s): %s", lang, len(skipped), ", ".join(skipped))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,9 +253,8 @@ def open_parallel(cfg: DataConfig) -> Corpus:
         if lang != cfg.tgt_lang or cfg.src_lang != "en":
             raise DataError(f"data.corpus={spec!r} pairs English with {lang!r}: set data.src_lang='en' and "
                             f"data.tgt_lang={lang!r} (got {cfg.src_lang!r} -> {cfg.tgt_lang!r})")
-        files = gettext_catalogs(cfg.locale_dir, lang)
-        return Corpus(spec, "parallel", {"train": lambda: iter(gettext_pairs(cfg.locale_dir, lang))},
-                      ["gettext", file_identity(files)])
+        pairs, files = gettext_corpus_pairs(cfg, lang)
+        return Corpus(spec, "parallel", {"train": lambda: iter(pairs)}, ["gettext", file_identity(files)])
     if spec.startswith("hf:") or is_saved_dataset(Path(spec)):
         name = spec[3:] if spec.startswith("hf:") else spec
         dsets = load_hf(name)
@@ -366,11 +286,11 @@ def open_documents(cfg: DataConfig) -> Corpus:
         lang, side = parts[1], (parts[2] if len(parts) > 2 else parts[1])
         if len(parts) > 3 or side not in (lang, "en"):
             raise DataError(f"data.corpus={spec!r}: expected gettext-mono:<lang> or gettext-mono:<lang>:en")
-        files = gettext_catalogs(cfg.locale_dir, lang)
+        pairs, files = gettext_corpus_pairs(cfg, lang)
 
         def docs() -> Iterator[str]:
             seen: set[str] = set()
-            for src, tgt in gettext_pairs(cfg.locale_dir, lang):
+            for src, tgt in pairs:
                 text = src if side == "en" else tgt
                 if text not in seen:
                     seen.add(text)

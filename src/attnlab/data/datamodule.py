@@ -42,9 +42,8 @@ from .batching import (
     token_dtype,
     write_manifest,
 )
-from .config import CACHE_KEYS, TOKENIZER_KEYS, DataConfig
+from .config import CACHE_KEYS, TOKENIZER_KEYS, DataConfig, DataError
 from .corpora import SPLITS, Corpus, iter_split, open_documents, open_parallel
-from .readers import DataError
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, check_vocab_size, chunked
 
 log = logging.getLogger("attnlab.data")

@@ -1,5 +1,5 @@
 """Corpus files read line by line, strict UTF-8, with file:line in every error: line-aligned pairs, TSV, JSON
-lines (pairs or documents), plain-text documents. `DataError` is what every bad input raises."""
+lines (pairs or documents), plain-text documents. Every bad input raises `DataError` naming file and line."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
-class DataError(ValueError):
-    """Bad input data or an unusable corpus. The message names the file and line, or the key, at fault."""
+from .config import DataError
 
 
 # ---------------------------------------------------------------------------------------------

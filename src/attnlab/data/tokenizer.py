@@ -18,13 +18,20 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from .readers import DataError
+from .config import DataError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 N_BYTES = 256  # the byte-level alphabet: every vocabulary holds all of them
 MIN_VOCAB = len(SPECIALS) + N_BYTES
+# Beside tokenizer.json, what makes the folder load with transformers.AutoTokenizer: the special tokens' roles, and
+# no clean-up of spaces on decoding (it would turn "a ." into "a.", and decoding must give back the text)
+_HF_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+              "unk_token": UNK, "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+              "split_special_tokens": True}  # text that spells "</s>" stays text, as in attnlab
+HF_FILES = {"tokenizer_config.json": json.dumps(_HF_CONFIG, indent=1),
+            "special_tokens_map.json": json.dumps({k: _HF_CONFIG[k] for k in _HF_CONFIG if k.endswith("_token")})}
 
 
 def check_vocab_size(vocab_size: int, key: str = "data.vocab_size") -> None:
@@ -108,19 +115,42 @@ class Tokenizer:
     def decode_batch(self, batch: Iterable[Iterable[int]], side: str = "tgt") -> list[str]:
         return self._side(side).decode_batch([[int(i) for i in ids] for ids in batch], skip_special_tokens=True)
 
-    def save(self, directory: str | Path) -> Path:
-        """tokenizer.json (joint) or src.json + tgt.json, and meta.json; written atomically per file."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        files = {"tokenizer.json": self.src} if self.joint else {"src.json": self.src, "tgt.json": self.tgt}
-        for name, tok in files.items():
-            tmp = d / f".{name}.tmp"
-            tok.save(str(tmp))
-            tmp.replace(d / name)
+    def to_files(self) -> dict[str, str]:
+        """The tokenizer as file name -> text (what `save` writes and a checkpoint carries, as plain strings):
+        tokenizer.json (joint) or src.json + tgt.json, and meta.json."""
+        sides = {"tokenizer.json": self.src} if self.joint else {"src.json": self.src, "tgt.json": self.tgt}
+        files = {name: tok.to_str() for name, tok in sides.items()}
         meta = {"joint": self.joint, "specials": dict(zip(SPECIALS, range(4), strict=True)),
                 "vocab_size": self.vocab_size, "src_vocab_size": self.src_vocab_size, "normalization": "NFC"}
-        (d / ".meta.json.tmp").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        (d / ".meta.json.tmp").replace(d / "meta.json")  # written last: its presence marks a complete save
+        files["meta.json"] = json.dumps(meta, indent=1)
+        return files
+
+    @classmethod
+    def from_files(cls, files: dict[str, str], where: str) -> Tokenizer:
+        """Inverse of `to_files`; `where` names the source in errors (a folder, a checkpoint)."""
+        try:
+            meta = json.loads(files["meta.json"])
+            if meta["joint"]:
+                return cls(HFTokenizer.from_str(files["tokenizer.json"]))
+            return cls(HFTokenizer.from_str(files["src.json"]), HFTokenizer.from_str(files["tgt.json"]))
+        except DataError:
+            raise
+        except Exception as e:  # a missing or corrupt file
+            raise DataError(f"{where}: cannot load the tokenizer: {type(e).__name__}: {e}") from None
+
+    def save(self, directory: str | Path) -> Path:
+        """to_files() into `directory`, written atomically per file, meta.json last. A joint tokenizer's folder is
+        also a Hugging Face one: `transformers.AutoTokenizer.from_pretrained(directory)` loads it with the same
+        ids, <pad>/<s>/</s>/<unk> as its pad/bos/eos/unk tokens, and decodes as `decode` does."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        files = self.to_files()
+        if self.joint:
+            files.update(HF_FILES)
+        for name in sorted(files, key=lambda n: n == "meta.json"):  # meta.json last: it marks a complete save
+            tmp = d / f".{name}.tmp"
+            tmp.write_text(files[name], encoding="utf-8")
+            tmp.replace(d / name)
         return d
 
     @classmethod
@@ -128,13 +158,8 @@ class Tokenizer:
         d = Path(directory)
         if not (d / "meta.json").is_file():
             raise DataError(f"{d}: not a saved tokenizer (no meta.json)")
-        meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
-        try:
-            if meta["joint"]:
-                return cls(HFTokenizer.from_file(str(d / "tokenizer.json")))
-            return cls(HFTokenizer.from_file(str(d / "src.json")), HFTokenizer.from_file(str(d / "tgt.json")))
-        except Exception as e:  # a missing or corrupt json file
-            raise DataError(f"{d}: cannot load the tokenizer: {type(e).__name__}: {e}") from None
+        names = ("meta.json", "tokenizer.json", "src.json", "tgt.json")
+        return cls.from_files({n: (d / n).read_text(encoding="utf-8") for n in names if (d / n).is_file()}, str(d))
 
     @classmethod
     def train(cls, src_texts: Iterable[str], tgt_texts: Iterable[str] | None, vocab_size: int,

@@ -238,7 +238,7 @@ def submit_fit(exp: Experiment, args: argparse.Namespace) -> int:
         raise ConfigError("trainer.devices=-1 (all visible) cannot size a SLURM job: give --tasks-per-node")
     res = resources_from(args, exp.name, {}, trainer.devices, trainer.num_nodes)
     exp = exp.replace(trainer=trainer.replace(devices=res.tasks_per_node, num_nodes=res.nodes,
-                                              runs_dir=str(Path(trainer.runs_dir).resolve()), progress_bar=False))
+                                              runs_dir=str(Path(trainer.runs_dir).resolve())))
     # named up front, as the ablation runner names trials (fit would name it after the tokenizer set the
     # vocabulary): the submission lives in it and a requeued job must find its checkpoints there
     exp = exp.replace(trainer=exp.trainer.replace(run_name=exp.trainer.run_name or f"{exp.name}-{exp.config_hash()}"))

@@ -31,6 +31,7 @@ class BaseModule(L.LightningModule):
         self._last_step_time: float | None = None
         self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
+        self.tokenizer_files: dict[str, str] | None = None  # Tokenizer.to_files(): every checkpoint carries them
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
 
@@ -101,8 +102,11 @@ class BaseModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would."""
+        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would; and the
+        tokenizer, so that the checkpoint alone translates or generates."""
         checkpoint["rng"] = {"torch": torch.get_rng_state()}
+        if self.tokenizer_files is not None:  # plain strings: they load with weights-only unpickling
+            checkpoint["tokenizer"] = dict(self.tokenizer_files)
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
 

@@ -9,6 +9,7 @@ import sacrebleu
 import torch
 import torch.distributed as dist
 
+from ..bleu import sacrebleu_bleu
 from ..config import DecodeConfig
 from ..decode import beam_search, greedy_search
 from .base import BaseModule
@@ -27,12 +28,13 @@ class Seq2SeqModule(BaseModule):
     """Encoder-decoder translation. Batches: src (B, S), tgt_in (B, T) = BOS + y, tgt_out (B, T) = y + EOS."""
 
     def __init__(self, model: dict, optim: dict, decode: dict | None = None, compile: bool = False,
-                 bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0) -> None:
+                 bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0, tgt_lang: str = "") -> None:
         super().__init__(model, optim, compile, loss_chunk)
         if self.model_cfg.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqModule needs model.arch=encoder_decoder, got model.arch={self.model_cfg.arch}")
         self.decode_cfg = DecodeConfig.from_dict(decode or {})
         self.bos_id, self.eos_id = bos_id, eos_id
+        self.bleu = sacrebleu_bleu(tgt_lang)  # its tokenizer suits the target language (fails now if MeCab is missing)
         self.detokenize: Callable[[list[list[int]]], list[str]] | None = None  # set by set_tokenizer
         self.signature_dir: Path | None = None  # where to write the sacreBLEU signature
         # sacreBLEU itself on detokenised text (torchmetrics' SacreBLEUScore has no 'exp' smoothing and its
@@ -132,7 +134,7 @@ class Seq2SeqModule(BaseModule):
         self._hyps, self._refs = [], []
         if not hyps:
             return
-        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+        bleu, chrf = self.bleu, sacrebleu.metrics.CHRF()
         # the same value on every rank (computed from the gathered text): no further reduction
         self.log(f"{stage}/bleu", bleu.corpus_score(hyps, [refs]).score, prog_bar=True)
         self.log(f"{stage}/chrf", chrf.corpus_score(hyps, [refs]).score)

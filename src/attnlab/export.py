@@ -1,0 +1,182 @@
+"""A checkpoint as a Hugging Face model folder: `model.safetensors`, `config.json`, `generation_config.json` and the
+tokenizer, which `transformers` loads without attnlab (`AutoModelForCausalLM` / `AutoModelForSeq2SeqLM`).
+
+- decoder-only -> `LlamaForCausalLM` (Touvron et al. 2023), where the variant is Llama's: pre-norm RMSNorm,
+  SwiGLU, RoPE over the whole head, no biases, a serial block, no soft-capping.
+- encoder-decoder -> `MarianMTModel` (Junczys-Dowmunt et al. 2018), where the variant is the 2017 Transformer
+  Marian implements: post-norm LayerNorm with biases (eps 1e-5), ReLU or GELU, sinusoidal positions, one table
+  for source, target and output, multi-head attention.
+
+A variant that does not map is an error listing every field that does not. A field this module does not know
+(one added to ModelConfig later) maps only at its default value, so a new variant is never exported silently
+wrong. `tests/test_export.py` checks that HF's greedy `generate` gives exactly attnlab's tokens.
+
+Marian's sinusoids are [sin(all frequencies) | cos(all frequencies)]; attnlab's interleave them (the paper's
+PE(pos, 2i), PE(pos, 2i+1)). LayerNorm, attention and the FFN do not care in which order the d_model coordinates
+of the residual stream come, so the export reorders them throughout (`perm`): every weight that reads the
+residual stream has its input columns permuted, every one that writes it its output rows, norms and biases
+alike. The two models then compute the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoints import load_checkpoint
+from .config import ConfigError, ModelConfig
+from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from .evaluate import load_tokenizer
+from .models.layers import sinusoidal_positions
+
+# field -> the values that map. Fields in FREE map whatever their value (sizes, regularisation, initialisation,
+# kernels); any other field maps only at ModelConfig's default.
+LLAMA: dict[str, tuple[Any, ...]] = {
+    "arch": ("decoder_only",), "norm": ("rmsnorm",), "norm_position": ("pre",), "ffn": ("swiglu",),
+    "block": ("serial",), "position": ("rope",), "rope_fraction": (1.0,), "attn_bias": (False,),
+    "ffn_bias": (False,), "qk_norm": (False,), "scale_embeddings": (False,), "tie_embeddings": ("none", "decoder"),
+    "logit_softcap": (0.0,), "attn_softcap": (0.0,),
+}
+MARIAN: dict[str, tuple[Any, ...]] = {
+    "arch": ("encoder_decoder",), "norm": ("layernorm",), "norm_position": ("post",), "ffn": ("relu", "gelu"),
+    "block": ("serial",), "position": ("sinusoidal",), "attn_bias": (True,), "ffn_bias": (True,),
+    "norm_bias": (True,), "qk_norm": (False,), "tie_embeddings": ("all",), "n_kv_heads": (0,), "norm_eps": (1e-5,),
+    "logit_softcap": (0.0,), "attn_softcap": (0.0,),
+}
+FREE = {"vocab_size", "src_vocab_size", "d_model", "n_heads", "n_kv_heads", "n_enc_layers", "n_dec_layers", "d_ff",
+        "ffn_multiple_of", "max_seq_len", "norm_eps", "rope_theta", "norm_bias", "scale_embeddings", "dropout",
+        "attn_dropout", "z_loss", "attention_backend", "init", "init_std", "pad_id", "rope_fraction"}
+TARGETS = {"decoder_only": ("LlamaForCausalLM", LLAMA), "encoder_decoder": ("MarianMTModel", MARIAN)}
+
+
+def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
+    """`model.<field>=<value> (needs ...)` for every field whose value the target cannot represent."""
+    defaults = ModelConfig()
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in rules:
+            allowed = rules[f.name]
+        elif f.name in FREE:
+            continue
+        else:
+            allowed = (getattr(defaults, f.name),)
+        if value not in allowed:
+            out.append(f"model.{f.name}={value!r} (needs {' or '.join(repr(a) for a in allowed)})")
+    return out
+
+
+def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the checkpoint's model and tokenizer to `out_dir` as a Hugging Face model folder."""
+    from safetensors.torch import save_file  # the [hf] extra
+
+    ckpt = load_checkpoint(ckpt_path)
+    cfg = ModelConfig.from_dict(ckpt["hyper_parameters"]["model"])
+    if cfg.arch not in TARGETS:
+        raise ConfigError(f"{ckpt_path}: model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama, "
+                          "encoder_decoder -> Marian)")
+    name, rules = TARGETS[cfg.arch]
+    bad = unmapped(cfg, rules)
+    if bad:
+        raise ConfigError(f"{ckpt_path}: this variant does not map onto {name}: " + "; ".join(bad))
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out}: exists and is not empty; give a new folder")
+    tokenizer = load_tokenizer(ckpt_path, ckpt)
+    if not tokenizer.joint:
+        raise ConfigError(f"{ckpt_path}: its source and target vocabularies differ (data.joint_vocab=false); "
+                          f"{name} needs one")
+    state = {k.removeprefix("model."): v.float() for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    tensors, config = llama(cfg, state) if cfg.arch == "decoder_only" else marian(cfg, state)
+    out.mkdir(parents=True, exist_ok=True)
+    # one copy each: safetensors refuses tensors that share memory (the splits of qkv_proj, the position tables)
+    save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    config = {"architectures": [name], **config, **ids, "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    generation = {**ids, **({"decoder_start_token_id": BOS_ID} if cfg.arch == "encoder_decoder" else {})}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+    tokenizer.save(out)
+    return out
+
+
+def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """attnlab DecoderOnly -> LlamaForCausalLM tensors and config: qkv_proj rows are [q; k; v], fc1 rows
+    [gate; up] (SwiGLU: silu(gate) * up)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    t = {"model.embed_tokens.weight": s["decoder.embed.weight"], "model.norm.weight": s["decoder.norm.weight"]}
+    for i in range(cfg.n_dec_layers):
+        a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        wq, wk, wv = s[a + "self_attn.qkv_proj.weight"].split([q, kv, kv])
+        gate, up = s[a + "ffn.fc1.weight"].split([cfg.ffn_dim, cfg.ffn_dim])
+        t |= {h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk, h + "self_attn.v_proj.weight": wv,
+              h + "self_attn.o_proj.weight": s[a + "self_attn.out_proj.weight"],
+              h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+              h + "mlp.down_proj.weight": s[a + "ffn.fc2.weight"],
+              h + "input_layernorm.weight": s[a + "self_attn_norm.weight"],
+              h + "post_attention_layernorm.weight": s[a + "ffn_norm.weight"]}
+    tied = cfg.tie_embeddings != "none"
+    if not tied:
+        t["lm_head.weight"] = s["head.weight"]
+    config = {"model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+              "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_dec_layers,
+              "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+              "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+              "rope_theta": cfg.rope_theta, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied}
+    return t, config
+
+
+def marian(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """attnlab EncoderDecoder -> MarianMTModel tensors and config, the residual stream reordered by `perm`."""
+    d = cfg.d_model
+    perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))  # attnlab coordinate of Marian's i-th
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+
+    def reads(w: torch.Tensor) -> torch.Tensor:  # (out, d): input columns from the residual stream
+        return w[:, perm]
+
+    def writes(w: torch.Tensor) -> torch.Tensor:  # (d, in) weights or (d,) biases and norms: rows to it
+        return w[perm]
+
+    table = s["encoder.embed.weight"]  # (V, d), shared by encoder, decoder and output (tie_embeddings=all)
+    positions = sinusoidal_positions(torch.arange(cfg.max_seq_len), d)[:, perm]  # (P, d): [sin | cos]
+    t = {"model.shared.weight": reads(table), "final_logits_bias": torch.zeros(1, cfg.vocab_size)}
+    for side in ("encoder", "decoder"):
+        t[f"model.{side}.embed_positions.weight"] = positions
+        for i in range(cfg.n_enc_layers if side == "encoder" else cfg.n_dec_layers):
+            a, h = f"{side}.layers.{i}.", f"model.{side}.layers.{i}."
+            # (HF attention, its projection) <- (attnlab attention, projection, first row, rows)
+            rows = {("self_attn", "q_proj"): ("self_attn", "qkv_proj", 0, q),
+                    ("self_attn", "k_proj"): ("self_attn", "qkv_proj", q, kv),
+                    ("self_attn", "v_proj"): ("self_attn", "qkv_proj", q + kv, kv)}
+            if side == "decoder":  # cross-attention: q_proj, and kv_proj rows [k; v]
+                rows |= {("encoder_attn", "q_proj"): ("cross_attn", "q_proj", 0, q),
+                         ("encoder_attn", "k_proj"): ("cross_attn", "kv_proj", 0, kv),
+                         ("encoder_attn", "v_proj"): ("cross_attn", "kv_proj", kv, kv)}
+            for (hf_attn, hf_proj), (attn, proj, start, n) in rows.items():
+                t[f"{h}{hf_attn}.{hf_proj}.weight"] = reads(s[f"{a}{attn}.{proj}.weight"][start:start + n])
+                t[f"{h}{hf_attn}.{hf_proj}.bias"] = s[f"{a}{attn}.{proj}.bias"][start:start + n]
+                t[f"{h}{hf_attn}.out_proj.weight"] = writes(s[f"{a}{attn}.out_proj.weight"])
+                t[f"{h}{hf_attn}.out_proj.bias"] = writes(s[f"{a}{attn}.out_proj.bias"])
+            norms = {"self_attn_layer_norm": "self_attn_post_norm", "final_layer_norm": "ffn_post_norm"}
+            if side == "decoder":
+                norms["encoder_attn_layer_norm"] = "cross_attn_post_norm"
+            for hf_norm, our_norm in norms.items():
+                t[f"{h}{hf_norm}.weight"] = writes(s[f"{a}{our_norm}.weight"])
+                t[f"{h}{hf_norm}.bias"] = writes(s[f"{a}{our_norm}.bias"])
+            t[h + "fc1.weight"], t[h + "fc1.bias"] = reads(s[a + "ffn.fc1.weight"]), s[a + "ffn.fc1.bias"]
+            t[h + "fc2.weight"], t[h + "fc2.bias"] = writes(s[a + "ffn.fc2.weight"]), writes(s[a + "ffn.fc2.bias"])
+    config = {"model_type": "marian", "vocab_size": cfg.vocab_size, "decoder_vocab_size": cfg.vocab_size,
+              "d_model": d, "encoder_layers": cfg.n_enc_layers, "decoder_layers": cfg.n_dec_layers,
+              "encoder_attention_heads": cfg.n_heads, "decoder_attention_heads": cfg.n_heads,
+              "encoder_ffn_dim": cfg.ffn_dim, "decoder_ffn_dim": cfg.ffn_dim, "activation_function": cfg.ffn,
+              "max_position_embeddings": cfg.max_seq_len, "scale_embedding": cfg.scale_embeddings,
+              "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
+              "decoder_start_token_id": BOS_ID, "forced_eos_token_id": None,
+              "dropout": cfg.dropout, "attention_dropout": cfg.attn_dropout, "activation_dropout": 0.0}
+    return t, config
