@@ -1,10 +1,13 @@
 """ModelConfig: validation names the fields at fault, YAML round-trips exactly, strict dict loading."""
 
 import dataclasses
+import hashlib
+import json
 
 import pytest
 
 from attnlab.config import CHOICES, ConfigError, ModelConfig
+from attnlab.experiment import load_experiment
 
 
 def test_defaults_are_the_2017_base_transformer():
@@ -36,7 +39,7 @@ NON_DEFAULT = dict(
     n_dec_layers=5, d_ff=333, ffn_multiple_of=64, max_seq_len=77, norm="rmsnorm", norm_position="sandwich",
     norm_eps=1e-6, ffn="geglu", attn_bias=False, ffn_bias=False, norm_bias=False, block="parallel", qk_norm=True,
     position="rope", rope_theta=123456.789, rope_fraction=0.25, tie_embeddings="none", scale_embeddings=False,
-    dropout=0.123, attn_dropout=0.05, logit_softcap=30.5, attn_softcap=50.25, z_loss=1e-4,
+    embed_norm=True, dropout=0.123, attn_dropout=0.05, logit_softcap=30.5, attn_softcap=50.25, z_loss=1e-4,
     attention_backend="eager", init="normal", init_std=0.0123, pad_id=7,
 )
 
@@ -118,3 +121,16 @@ def test_yaml_file_errors_name_the_file(tmp_path):
         ModelConfig.from_yaml(bad)
     with pytest.raises(ConfigError, match="not found"):
         ModelConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_a_field_added_later_keeps_old_run_directories_while_it_holds_its_default():
+    """`model.embed_norm` came after run directories were named by the config hash: off, the hash is the one the
+    same recipe had before the field existed (computed here from the dict without it); on, it is another run."""
+    exp = load_experiment("experiments/lm_demo.yaml")
+    d = exp.to_dict()
+    for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk"):
+        d["trainer"].pop(k)
+    d["model"].pop("embed_norm")
+    before = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+    assert exp.config_hash() == before
+    assert exp.replace(model=exp.model.replace(embed_norm=True)).config_hash() != before

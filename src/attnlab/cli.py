@@ -112,7 +112,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     counts = count_parameters(cfg)
     total = counts.pop("total")
     print(f"{args.config}: arch={cfg.arch} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.kv_heads} "
-          f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position} block={cfg.block} position={cfg.position}")
+          f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position}{'+embed_norm' * cfg.embed_norm} "
+          f"block={cfg.block} position={cfg.position}")
     print(f"vocabulary: {vocab_from}; embeddings tied: {cfg.tie_embeddings}")
     width = max(len(k) for k in counts)
     for name, n in counts.items():

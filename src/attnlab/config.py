@@ -94,6 +94,7 @@ class ModelConfig(StrictConfig):
     rope_fraction: float = 1.0  # share of each head's dims that rotate (GPT-NeoX rotary_pct)
     tie_embeddings: str = "all"
     scale_embeddings: bool = True
+    embed_norm: bool = False  # a norm right after the embeddings (+ positions), before the blocks (BERT, BLOOM)
     dropout: float = 0.1
     attn_dropout: float = 0.0
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c) (Gemma 2)

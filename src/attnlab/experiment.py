@@ -81,6 +81,11 @@ SECTIONS: dict[str, type[StrictConfig]] = {
 }
 
 
+# Fields added after run directories were first named by `config_hash`: left out of the hash while they hold this
+# default, so a run made before keeps its directory (`--ckpt_path last` finds it; a study does not re-run it).
+LATER_FIELDS: dict[str, dict[str, Any]] = {"model": {"embed_norm": False}}
+
+
 @dataclass(frozen=True)
 class Experiment:
     name: str
@@ -105,6 +110,10 @@ class Experiment:
         d = self.to_dict()
         for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk"):  # loss_chunk: same loss
             d["trainer"].pop(k)
+        for section, defaults in LATER_FIELDS.items():
+            for k, default in defaults.items():
+                if d[section][k] == default:
+                    d[section].pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
     def run_dir(self) -> Path:
