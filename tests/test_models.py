@@ -365,6 +365,29 @@ def test_block_norms_have_names_and_unused_ones_are_identity(norm_position, bloc
         assert used == want
 
 
+@pytest.mark.parametrize("block", CHOICES["block"])
+def test_sandwich_norm_is_ding_2021(block):
+    """Sandwich (CogView, arXiv:2105.13290, eq. 2): a norm before each sublayer and one on its output, the residual
+    untouched: serial x1 = x + N1o(attn(N1(x))), x2 = x1 + N2o(ffn(N2(x1))); parallel x + N1o(attn(N1(x))) +
+    N2o(ffn(N2(x))). The norms (jittered, each different) are applied here by hand as LayerNorms with their weights."""
+    cfg = tiny(arch="decoder_only", norm_position="sandwich", block=block, position="rope")
+    blk = jitter(Block(cfg)).eval()
+    x = torch.randn(2, 5, cfg.d_model)  # (B, T, d)
+    mask = Mask(causal=True)
+
+    def ln(norm, h):
+        return F.layer_norm(h, (cfg.d_model,), norm.weight, norm.bias, cfg.norm_eps)
+
+    with torch.no_grad():
+        a = ln(blk.self_attn_out_norm, blk.self_attn(ln(blk.self_attn_norm, x), mask))
+        if block == "serial":
+            x1 = x + a
+            want = x1 + ln(blk.ffn_out_norm, blk.ffn(ln(blk.ffn_norm, x1)))
+        else:
+            want = x + a + ln(blk.ffn_out_norm, blk.ffn(ln(blk.ffn_norm, x)))
+        torch.testing.assert_close(blk(x, mask), want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Accounting over the switches the forward grid only samples, component by component.
 # ---------------------------------------------------------------------------------------------------------
