@@ -121,6 +121,7 @@ def trials_by_point(study_dir: Path, spec) -> dict[str, list]:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_two_local_workers_run_every_point_exactly_once_and_the_table_matches(tmp_path, worker_env, monkeypatch):
     monkeypatch.setenv("FAKE_SLEEP", "0.4")  # long enough that the two workers overlap
     spec = load_spec(write_study(tmp_path, GRID_4x2))
@@ -169,6 +170,7 @@ def test_two_local_workers_run_every_point_exactly_once_and_the_table_matches(tm
     assert len(read_calls(study_dir)[0]) == 8
 
 
+@pytest.mark.slow
 def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_env, monkeypatch):
     """Two independent `ablate worker` processes on a fresh study, started together (no parent preparing it)."""
     monkeypatch.setenv("FAKE_SLEEP", "0.2")
@@ -187,6 +189,7 @@ def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_e
         assert len(real) == 1 and real[0].state == TrialState.COMPLETE
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_trial_is_detected_and_its_point_resumed(tmp_path, worker_env, monkeypatch):
     spec = load_spec(write_study(tmp_path, GRID_4x2))
     study_dir = tmp_path / "study"

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from attnlab.checkpoints import load_checkpoint
 from attnlab.experiment import load_experiment
@@ -44,8 +43,7 @@ fit(load_experiment(sys.argv[1]), callbacks=[Record()])
 '''
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@pytest.mark.slow
 def test_two_process_ddp_fit_shards_batches_and_saves_a_checkpoint_that_evaluates_the_same(tmp_path, monkeypatch):
     from attnlab.cli import main
 

@@ -309,6 +309,7 @@ def _sigterm_when_logged(proc: subprocess.Popen, metrics: Path, step: int, out: 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
     """`attnlab fit` killed with SIGTERM in the middle of its second epoch saves the exact state and exits 143;
     `fit --ckpt_path last` then continues it, and every per-step value equals the uninterrupted run's."""
