@@ -237,3 +237,27 @@ def test_info_sizes_a_recipe(runs, capsys):
     assert main(["info", str(runs["recipe"])]) == 0
     out = capsys.readouterr().out
     assert "d_model=32" in out and "total" in out
+
+
+def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):
+    """`attnlab demo` at a tiny size: fit, average the last decode.average_last step checkpoints, beam-decode the test
+    split with the averaged weights, score. The scores are sacreBLEU of the averaged model's translations made here
+    one sentence at a time; the averaged weights are the mean of the checkpoints it names."""
+    capsys.readouterr()
+    argv = ["demo", "-c", str(runs["recipe"]), "--trainer.run_name", "demo", "--trainer.max_steps", "6",
+            "--trainer.ckpt_every", "2", "--decode.average_last", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    run_dir = runs["root"] / "runs" / "demo"
+    result = json.loads((run_dir / "demo_results.json").read_text(encoding="utf-8"))
+    assert [Path(p).name for p in result["checkpoints_averaged"]] == ["step=4.ckpt", "step=6.ckpt"]
+    averaged = run_dir / "checkpoints" / "averaged_last2.ckpt"
+    a, b, avg = (torch.load(p, weights_only=True)["state_dict"] for p in (*result["checkpoints_averaged"], averaged))
+    name = "model.decoder.layers.0.ffn.fc1.weight"
+    assert torch.allclose(avg[name], (a[name] + b[name]) / 2) and not torch.equal(avg[name], b[name])
+    srcs, refs = prepare(load_experiment(runs["recipe"]))[0].split_texts("test")
+    hyps = one_by_one(averaged, srcs, beam=2)  # decode.beam of the recipe
+    assert result["sentences"] == len(srcs)
+    assert result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2) > 0
+    assert result["bleu_detail"] in out and f"chrF2 = {result['chrf']:.2f}" in out and str(run_dir) in out
