@@ -50,7 +50,7 @@ def spec_of(tmp: Path, body: str):
 # ---------------------------------------------------------------------------------------------- shipped
 def test_the_shipped_studies_are_there():
     names = {p.stem for p in SHIPPED}
-    assert {"block_variants", "vaswani_table3", "lm_block_variants", "demo_norm_ffn"} <= names
+    assert {"block_variants", "vaswani_table3", "lm_block_variants", "demo_norm_ffn", "mlm_norm_ffn_position"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])

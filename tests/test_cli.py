@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -237,6 +238,10 @@ def test_info_sizes_a_recipe(runs, capsys):
     assert main(["info", str(runs["recipe"])]) == 0
     out = capsys.readouterr().out
     assert "d_model=32" in out and "total" in out
+    # the embedding norm of the MLM recipe: its own line, 2 x 128 LayerNorm parameters, and in the header
+    assert main(["info", str(Path(__file__).parents[1] / "experiments" / "mlm_demo.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "norm=layernorm/post+embed_norm" in out and re.search(r"encoder\.embed_norm +256 ", out)
 
 
 def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):

@@ -76,7 +76,7 @@ def info_config(path: str) -> tuple[ModelConfig, str, str | None]:
         return cfg, f"model.vocab_size={cfg.vocab_size:,}", None
     exp = load_experiment(path)
     changes: dict[str, Any] = {"vocab_size": exp.data.vocab_size, "src_vocab_size": 0}  # as resolve_model
-    if exp.task == "lm":
+    if exp.task in ("lm", "mlm"):
         changes["max_seq_len"] = max(exp.model.max_seq_len, exp.data.seq_len)
         kind = "BPE"
     else:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .checkpoints import load_checkpoint
 from .config import DecodeConfig
 from .data.tokenizer import Tokenizer
-from .lit import LMModule, Seq2SeqModule
+from .lit import LMModule, MLMModule, Seq2SeqModule
 
 log = logging.getLogger("attnlab")
 
@@ -33,7 +33,7 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
     return Tokenizer.load(tok_dir)
 
 
-def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Seq2SeqModule | LMModule:
+def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Seq2SeqModule | LMModule | MLMModule:
     """Rebuild the exact model from the checkpoint's hyper-parameters and load its weights (eval mode)."""
     ckpt = load_checkpoint(ckpt_path)
     hp: dict[str, Any] = dict(ckpt["hyper_parameters"])
@@ -42,10 +42,10 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None) -> Se
         if hp["model"].get("arch") == "encoder_decoder":
             if decode is not None:
                 hp["decode"] = decode.to_dict()
-            module: Seq2SeqModule | LMModule = Seq2SeqModule(**hp)
+            module: Seq2SeqModule | LMModule | MLMModule = Seq2SeqModule(**hp)
         else:
             hp.pop("decode", None)
-            module = LMModule(**hp)
+            module = (MLMModule if hp["model"].get("arch") == "encoder_only" else LMModule)(**hp)
         missing, unexpected = module.load_state_dict(ckpt["state_dict"], strict=False)
     except (TypeError, ValueError, RuntimeError) as e:  # unknown hyper-parameters, bad config, size mismatch
         raise ValueError(f"{ckpt_path}: cannot rebuild its model: {type(e).__name__}: {str(e)[:500]}") from None

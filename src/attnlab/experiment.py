@@ -81,6 +81,9 @@ SECTIONS: dict[str, type[StrictConfig]] = {
 }
 
 
+# The training task of each architecture (the datamodule and LightningModule train.py builds for it)
+TASKS = {"encoder_decoder": "translation", "decoder_only": "lm", "encoder_only": "mlm"}
+
 # Fields added after run directories were first named by `config_hash`: left out of the hash while they hold this
 # default, so a run made before keeps its directory (`--ckpt_path last` finds it; a study does not re-run it).
 LATER_FIELDS: dict[str, dict[str, Any]] = {"model": {"embed_norm": False}}
@@ -97,7 +100,12 @@ class Experiment:
 
     @property
     def task(self) -> str:
-        return "translation" if self.model.arch == "encoder_decoder" else "lm"
+        """What fit trains: translation, lm or mlm (TASKS); an arch without one is a ConfigError, raised before
+        anything (a tokenizer, a cache) is built."""
+        if self.model.arch not in TASKS:
+            trains = ", ".join(f"{arch} ({task})" for arch, task in TASKS.items())
+            raise ConfigError(f"model.arch={self.model.arch} has no training task; attnlab fit trains {trains}")
+        return TASKS[self.model.arch]
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **{k: getattr(self, k).to_dict() for k in SECTIONS}}

@@ -23,18 +23,21 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
-from .data.datamodule import LMDataModule, TranslationDataModule
+from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
+from .data.tokenizer import MASK_ID
 from .experiment import Experiment
-from .lit import LMModule, Seq2SeqModule
+from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
 from .rundir import archive_previous, keep_metrics, write_run_dir
 
 log = logging.getLogger("attnlab")
 
 
-def make_datamodule(exp: Experiment) -> TranslationDataModule | LMDataModule:
-    cls = TranslationDataModule if exp.task == "translation" else LMDataModule
-    return cls(exp.data, seed=exp.trainer.seed)
+DATAMODULES = {"translation": TranslationDataModule, "lm": LMDataModule, "mlm": MLMDataModule}
+
+
+def make_datamodule(exp: Experiment) -> TranslationDataModule | LMDataModule | MLMDataModule:
+    return DATAMODULES[exp.task](exp.data, seed=exp.trainer.seed)  # a ConfigError for an arch without a task
 
 
 def resolve_model(exp: Experiment, dm) -> Experiment:
@@ -43,7 +46,7 @@ def resolve_model(exp: Experiment, dm) -> Experiment:
     if exp.task == "translation":
         src_vocab = getattr(dm, "src_vocab_size", dm.vocab_size)
         changes["src_vocab_size"] = 0 if src_vocab == dm.vocab_size else src_vocab
-    if exp.task == "lm":
+    if exp.task in ("lm", "mlm"):
         changes["max_seq_len"] = max(exp.model.max_seq_len, exp.data.seq_len)
     return exp.replace(model=exp.model.replace(**changes))
 
@@ -57,6 +60,8 @@ def make_module(exp: Experiment, dm=None):
         if dm is not None:
             module.set_tokenizer(dm.tokenizer.decode_batch)
         return module
+    if exp.task == "mlm":
+        return MLMModule(mask_id=getattr(dm, "mask_id", MASK_ID), seed=exp.trainer.seed, **kw)
     return LMModule(**kw)
 
 
