@@ -388,6 +388,55 @@ def test_sandwich_norm_is_ding_2021(block):
         torch.testing.assert_close(blk(x, mask), want, atol=1e-5, rtol=1e-5)
 
 
+def test_position_none_carries_no_order():
+    """position=none (no positional information at all): a bidirectional encoder is then permutation-equivariant,
+    permuting the tokens permutes its outputs; with learned positions it is not."""
+    ids, perm = tokens(2, 9, 3), torch.randperm(9, generator=torch.Generator().manual_seed(1))
+    for position, equivariant in (("none", True), ("learned", False)):
+        model = jitter(build_model(tiny(arch="encoder_only", position=position))).eval()
+        with torch.no_grad():
+            out, permuted = model(ids), model(ids[:, perm])  # (B, T, V) each
+        assert torch.allclose(permuted, out[:, perm], atol=1e-5) == equivariant, position
+
+
+def test_dropout_is_on_the_embeddings_and_each_sublayer_output():
+    """dropout p: x0 = drop(embed + pos), then x = x + drop(f(norm(x))) per sublayer (pre-norm), each mask an
+    inverted dropout (kept values scaled by 1 / (1 - p)); drawn here in the same order from the same seed."""
+    cfg = tiny(arch="decoder_only", norm_position="pre", position="sinusoidal", dropout=0.3, scale_embeddings=True)
+    model = jitter(build_model(cfg)).train()
+    ids = tokens(2, 7)
+    torch.manual_seed(5)
+    got = model(ids, return_hidden=True)  # (B, T, d)
+    dec = model.decoder
+    with torch.no_grad():
+        torch.manual_seed(5)
+        x = F.dropout(dec.embed(ids) * math.sqrt(cfg.d_model) + dec.positions(0, 7, ids.device), 0.3)
+        for blk in dec.layers:
+            x = x + F.dropout(blk.self_attn(blk.self_attn_norm(x), Mask(causal=True)), 0.3)
+            x = x + F.dropout(blk.ffn(blk.ffn_norm(x)), 0.3)
+        want = dec.norm(x)
+    torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, model.eval()(ids, return_hidden=True).detach(), atol=1e-3)
+
+
+def test_attn_dropout_drops_attention_probabilities():
+    """attn_dropout p (eager backend): softmax(q k^T / sqrt(hd)) -> inverted dropout -> @ v, drawn here from the same
+    seed; the residual dropout is 0, so that mask is the only random draw."""
+    cfg = tiny(arch="decoder_only", attn_dropout=0.4, attention_backend="eager", n_kv_heads=4)
+    attn = jitter(Attention(cfg)).train()
+    x = torch.randn(2, 6, cfg.d_model)  # (B, T, d)
+    torch.manual_seed(9)
+    got = attn(x, Mask(causal=True))
+    with torch.no_grad():
+        q, k, v = (t.view(2, 6, 4, 8).transpose(1, 2) for t in attn.qkv_proj(x).split(32, dim=-1))  # (B, H, T, hd)
+        s = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf"))
+        torch.manual_seed(9)
+        w = F.dropout(s.softmax(-1), 0.4)  # (B, H, T, T)
+        want = attn.out_proj((w @ v).transpose(1, 2).reshape(2, 6, 32))
+    torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, attn.eval()(x, Mask(causal=True)).detach(), atol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Accounting over the switches the forward grid only samples, component by component.
 # ---------------------------------------------------------------------------------------------------------
