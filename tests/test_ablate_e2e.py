@@ -26,6 +26,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 def test_real_fit_two_point_grid(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # tokenizer caches and anything else relative land here
     (tmp_path / "ablations").mkdir()

@@ -228,6 +228,8 @@ def test_flops_are_6n_plus_attention():
     non_embedding = n["total"] - n["embeddings"]  # the head is a matmul and counts
     T = 128
     assert flops_per_token(cfg, T) == pytest.approx(6 * non_embedding + 12 * 2 * 64 * T)
+    with_norm = cfg.replace(embed_norm=True)  # one more LayerNorm (2 x 64 parameters), 6 FLOPs each a token
+    assert flops_per_token(with_norm, T) == pytest.approx(flops_per_token(cfg, T) + 6 * 128)
     ed = ModelConfig(vocab_size=1000, d_model=64, n_heads=4, n_enc_layers=1, n_dec_layers=1)
     f = training_flops(ed, seq_len=10, src_len=30)
     assert f["encoder.attention"] == 12 * 64 * 30 * 30 and f["decoder.cross_attention"] == 12 * 64 * 10 * 30
