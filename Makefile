@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # A CPU build of torch where this machine offers one (a local wheel); otherwise pip's default for the platform.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test demo ablate-demo lint clean
+.PHONY: venv test test-fast demo ablate-demo lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The quick loop: everything but the tests marked slow (SLURM, DDP, SIGTERM, subprocess workers, long trainings).
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The main job on the built-in offline data: train the demo recipe on gettext:de (CPU), average the last
 # checkpoints, decode the held-out test split with beam search, print sacreBLEU / chrF and examples.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
 
@@ -48,6 +49,16 @@ def write_mo(path: Path, entries: list[tuple[str, str]], charset: str = "UTF-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(head + body + blob)
     return path
+
+
+def jitter(model: nn.Module, seed: int = 1, scale: float = 0.1) -> nn.Module:
+    """Move every parameter off its init (zero biases, unit norms) so that each one matters: a bias dropped or a norm
+    skipped in one code path then changes its outputs. A tied table is one parameter, jittered once."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+    return model
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -122,6 +123,7 @@ def trials_by_point(study_dir: Path, spec) -> dict[str, list]:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_two_local_workers_run_every_point_exactly_once_and_the_table_matches(tmp_path, worker_env, monkeypatch):
     monkeypatch.setenv("FAKE_SLEEP", "0.4")  # long enough that the two workers overlap
     spec = load_spec(write_study(tmp_path, GRID_4x2))
@@ -170,6 +172,7 @@ def test_two_local_workers_run_every_point_exactly_once_and_the_table_matches(tm
     assert len(read_calls(study_dir)[0]) == 8
 
 
+@pytest.mark.slow
 def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_env, monkeypatch):
     """Two independent `ablate worker` processes on a fresh study, started together (no parent preparing it)."""
     monkeypatch.setenv("FAKE_SLEEP", "0.2")
@@ -188,6 +191,7 @@ def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_e
         assert len(real) == 1 and real[0].state == TrialState.COMPLETE
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_trial_is_detected_and_its_point_resumed(tmp_path, worker_env, monkeypatch):
     spec = load_spec(write_study(tmp_path, GRID_4x2))
     study_dir = tmp_path / "study"
@@ -307,11 +311,39 @@ def test_cli_run_status_table_plot(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_plot_from_stored_trials(tmp_path):
+def test_plot_from_stored_trials(tmp_path, monkeypatch):
+    """What the figures draw: each variant's mean validation curve over its 2 seeds (steps 4 and 9 of fake_fit's
+    metrics), its final metric with the seeds' std as error bar, the baseline's line dashed."""
+    import matplotlib.pyplot as plt
+
     spec = load_spec(write_study(tmp_path, GRID_4x2))
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to read them back
     paths = plot(connect(spec, tmp_path / "study"))
     assert [p.name for p in paths] == ["curves.png", "metric.png"] and all(p.stat().st_size > 5000 for p in paths)
+    curves, metric = (f.axes[0] for f in figures)
+
+    def final(label: str) -> float:  # fake_metric's value of a variant, mean over seeds 1 and 2
+        axes = dict(kv.split("=") for kv in label.split(" (")[0].split())
+        return 3.0 - 0.25 * (axes["norm"] == "rmsnorm") - 0.5 * (axes["ffn"] == "swiglu") + 0.015
+
+    lines = {line.get_label(): line for line in curves.get_lines()}
+    assert len(lines) == 4 and all("(n=2)" in label for label in lines)
+    for label, line in lines.items():
+        assert list(line.get_xdata()) == [4, 9]
+        assert list(line.get_ydata()) == pytest.approx([final(label) + 0.5, final(label)])
+        assert (line.get_linestyle() == "--") == label.endswith("[baseline]") == ("norm=layernorm ffn=gelu" in label)
+    labels = [t.get_text() for t in metric.get_yticklabels()]
+    ys = list(metric.get_yticks())
+    xs = {y: x for x, y in metric.lines[0].get_xydata()}
+    assert sorted(labels, key=final) == labels  # best (lowest val/loss) first, at the top
+    for label, y in zip(labels, ys, strict=True):
+        assert xs[y] == pytest.approx(final(label))
+    bars = [seg for c in metric.collections for seg in c.get_segments()]
+    assert all(abs(seg[1][0] - seg[0][0]) == pytest.approx(2 * 0.01 / math.sqrt(2)) for seg in bars)  # 2 std
+    baseline = [line for line in metric.lines if line.get_linestyle() == "--"]
+    assert len(baseline) == 1 and baseline[0].get_xdata()[0] == pytest.approx(3.015)
 
 
 def test_a_resumed_runs_curve_joins_the_metrics_of_its_attempts(tmp_path):

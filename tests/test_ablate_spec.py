@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnlab.ablate.spec import load_spec
+from attnlab.cli import main
 from attnlab.config import ConfigError
 from attnlab.lit.optim import lr_factor
 
@@ -50,7 +51,7 @@ def spec_of(tmp: Path, body: str):
 # ---------------------------------------------------------------------------------------------- shipped
 def test_the_shipped_studies_are_there():
     names = {p.stem for p in SHIPPED}
-    assert {"block_variants", "vaswani_table3", "lm_block_variants", "demo_norm_ffn"} <= names
+    assert {"block_variants", "vaswani_table3", "lm_block_variants", "demo_norm_ffn", "mlm_norm_ffn_position"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
@@ -207,3 +208,21 @@ def test_search_spec(tmp_path):
     lr, layers, ffn = spec.distributions
     assert (lr.type, lr.log, lr.low, lr.high) == ("float", True, 1e-4, 1e-2)
     assert (layers.type, layers.low, layers.high) == ("int", 1, 3) and ffn.choices == ("gelu", "swiglu")
+
+
+@pytest.mark.parametrize("body", [
+    "axes: {trainer.devices: [1, 2]}\n",
+    "axes: {model.norm: [layernorm]}\nvariants: [{name: two, trainer.num_nodes: 2}]\n",
+])
+def test_an_axis_over_the_job_shape_is_refused_by_submit(tmp_path, capsys, body):
+    """One SLURM array has one job shape: `ablate submit` refuses a study whose trials differ in trainer.devices
+    or trainer.num_nodes, naming the key, before it writes anything; the same study without that axis renders."""
+    path = layout(tmp_path, body=body)
+    study = tmp_path / "study"
+    assert main(["ablate", "submit", str(path), "--dir", str(study), "--dry-run"]) == 2
+    key = "trainer.devices" if "devices" in body else "trainer.num_nodes"
+    assert f"{key} varies across trials; one SLURM array has one job shape" in capsys.readouterr().err
+    assert not study.exists()
+    path.write_text(path.read_text().replace(body, "axes: {model.norm: [layernorm, rmsnorm]}\n"))
+    assert main(["ablate", "submit", str(path), "--dir", str(study), "--dry-run"]) == 0
+    assert "#SBATCH" in capsys.readouterr().out

@@ -7,11 +7,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import yaml
 
@@ -19,7 +21,10 @@ import attnlab.cli
 from attnlab.cli import main
 from attnlab.config import ConfigError
 from attnlab.data.tokenizer import Tokenizer
+from attnlab.decode import beam_search
 from attnlab.evaluate import load_module, translate_lines
+from attnlab.experiment import load_experiment
+from attnlab.train import prepare
 from conftest import make_pairs
 from test_train import TINY, read_metrics, write_recipe
 
@@ -32,6 +37,21 @@ LM = {
     "optim": {"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "label_smoothing": 0.0},
     "trainer": {"max_steps": 4, "val_every": 4, "ckpt_every": 4, "log_every": 1, "progress_bar": False},
 }
+
+
+def one_by_one(ckpt: Path, lines: list[str], beam: int) -> list[str]:
+    """Translations computed apart from the command's batching: each line alone through `beam_search` (the
+    checkpoint's decoding settings), cut to max_seq_len tokens as translate_lines documents; blank lines give ""."""
+    module, tok = load_module(ckpt), Tokenizer.load(ckpt.parent.parent / "tokenizer")
+    c, limit = module.decode_cfg, module.model_cfg.max_seq_len
+    out = []
+    for line in lines:
+        ids = tok.encode(line) + [tok.eos_id]
+        ids = ids if len(ids) <= limit else ids[: limit - 1] + [tok.eos_id]
+        best = beam_search(module.model, torch.tensor([ids]), beam_size=beam, len_penalty=c.len_penalty,
+                           penalty=c.penalty, max_len_a=c.max_len_a, max_len_b=c.max_len_b)[0][0][0]
+        out.append(tok.decode(best) if line.strip() else "")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +89,12 @@ def test_fit_overrides_reach_the_run_and_validate_test_report_scores(runs, capsy
         stage = "val" if split == "valid" else "test"
         assert printed[f"{stage}/loss"] == saved[f"{stage}/loss"] > 0
         assert saved[f"{stage}/ppl"] == pytest.approx(2.718281828 ** saved[f"{stage}/loss"], rel=1e-4)
-        assert 0 <= saved["bleu"] <= 100 and 0 <= saved["chrf"] <= 100 and saved["sentences"] > 0
+        # sacreBLEU of the split's own text, translated here one sentence at a time (decode.beam 2 of TINY)
+        srcs, refs = prepare(load_experiment(runs["recipe"], {"model.norm": "rmsnorm"}))[0].split_texts(split)
+        hyps = one_by_one(mt / "checkpoints" / "last.ckpt", srcs, beam=2)
+        assert saved["sentences"] == len(srcs) > 10
+        assert saved["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+        assert saved["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2) > 0
         assert saved["bleu_signature"].startswith("nrefs:1|") and len(saved["examples"]) == 5
     # the recipe without the override describes another model than the checkpoint's
     assert main(["validate", "-c", str(runs["recipe"]), "--ckpt", last]) == 2
@@ -122,9 +147,7 @@ def test_translate_file_and_stdin_keep_one_line_per_input_with_empty_and_very_lo
     assert out[-1] == "" and len(out) - 1 == len(lines)
     assert out[1] == "" and out[2] == ""  # empty and blank lines give empty translations
     assert any("line 4 has" in r.getMessage() and "cut to" in r.getMessage() for r in caplog.records)
-    module = load_module(last)
-    expected = translate_lines(module, Tokenizer.load(runs["mt"] / "tokenizer"), lines, beam=2)
-    assert out[:-1] == [h.replace("\n", " ") for h in expected]
+    assert out[:-1] == [h.replace("\n", " ") for h in one_by_one(last, lines, beam=2)]
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes()), encoding="utf-8"))
     assert main(["translate", "--ckpt", str(last), "--beam", "2"]) == 0
@@ -396,3 +419,33 @@ def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs
             theirs = llama.generate(ids, max_new_tokens=15, do_sample=False)[0].tolist()
         assert theirs == ours and len(ours) > ids.shape[1], prompt
     assert type(marian).__name__ == "MarianMTModel" and type(llama).__name__ == "LlamaForCausalLM"
+
+
+    # the embedding norm of the MLM recipe: its own line, 2 x 128 LayerNorm parameters, and in the header
+    assert main(["info", str(Path(__file__).parents[1] / "experiments" / "mlm_demo.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "norm=layernorm/post+embed_norm" in out and re.search(r"encoder\.embed_norm +256 ", out)
+
+
+def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):
+    """`attnlab demo` at a tiny size: fit, average the last decode.average_last step checkpoints, beam-decode the test
+    split with the averaged weights, score. The scores are sacreBLEU of the averaged model's translations made here
+    one sentence at a time; the averaged weights are the mean of the checkpoints it names."""
+    capsys.readouterr()
+    argv = ["demo", "-c", str(runs["recipe"]), "--trainer.run_name", "demo", "--trainer.max_steps", "6",
+            "--trainer.ckpt_every", "2", "--decode.average_last", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    run_dir = runs["root"] / "runs" / "demo"
+    result = json.loads((run_dir / "demo_results.json").read_text(encoding="utf-8"))
+    assert [Path(p).name for p in result["checkpoints_averaged"]] == ["step=4.ckpt", "step=6.ckpt"]
+    averaged = run_dir / "checkpoints" / "averaged_last2.ckpt"
+    a, b, avg = (torch.load(p, weights_only=True)["state_dict"] for p in (*result["checkpoints_averaged"], averaged))
+    name = "model.decoder.layers.0.ffn.fc1.weight"
+    assert torch.allclose(avg[name], (a[name] + b[name]) / 2) and not torch.equal(avg[name], b[name])
+    srcs, refs = prepare(load_experiment(runs["recipe"]))[0].split_texts("test")
+    hyps = one_by_one(averaged, srcs, beam=2)  # decode.beam of the recipe
+    assert result["sentences"] == len(srcs)
+    assert result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2) > 0
+    assert result["bleu_detail"] in out and f"chrF2 = {result['chrf']:.2f}" in out and str(run_dir) in out

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from attnlab.config import CHOICES, ConfigError, ModelConfig
+from attnlab.experiment import load_experiment
 
 
 def test_defaults_are_the_2017_base_transformer():
@@ -36,7 +37,7 @@ NON_DEFAULT = dict(
     n_dec_layers=5, d_ff=333, ffn_multiple_of=64, max_seq_len=77, norm="rmsnorm", norm_position="sandwich",
     norm_eps=1e-6, ffn="geglu", attn_bias=False, ffn_bias=False, norm_bias=False, block="parallel", qk_norm=True,
     position="rope", rope_theta=123456.789, rope_fraction=0.25, tie_embeddings="none", scale_embeddings=False,
-    dropout=0.123, attn_dropout=0.05, logit_softcap=30.5, attn_softcap=50.25, z_loss=1e-4,
+    embed_norm=True, dropout=0.123, attn_dropout=0.05, logit_softcap=30.5, attn_softcap=50.25, z_loss=1e-4,
     attention_backend="eager", init="normal", init_std=0.0123, pad_id=7,
 )
 
@@ -118,3 +119,19 @@ def test_yaml_file_errors_name_the_file(tmp_path):
         ModelConfig.from_yaml(bad)
     with pytest.raises(ConfigError, match="not found"):
         ModelConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+# The run hashes of the shipped recipes as the first release of attnlab named their run directories. A field added
+# since must keep them (experiment.HASHED_AS_BEFORE), or `--ckpt-path last` would not find an older run.
+FIRST_HASHES = {"demo_en_de": "40db92b49f", "wmt14_en_de_base": "2a0d90ee2d", "wmt14_en_de_big": "cc382586f7",
+                "lm_demo": "16593a3ebb"}
+
+
+@pytest.mark.parametrize("recipe", sorted(FIRST_HASHES))
+def test_fields_added_later_keep_old_run_directories_while_they_hold_their_defaults(recipe):
+    exp = load_experiment(f"experiments/{recipe}.yaml")
+    assert exp.config_hash() == FIRST_HASHES[recipe]
+    assert exp.replace(model=exp.model.replace(embed_norm=True)).config_hash() != FIRST_HASHES[recipe]
+    assert exp.replace(data=exp.data.replace(locale_dir=["/opt/locale"])).config_hash() != FIRST_HASHES[recipe]
+
+

@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 
+import datasets
 import pytest
 
 from attnlab.config import ConfigError
@@ -171,7 +172,6 @@ def test_hash_split_is_deterministic_disjoint_and_sized(data_tsv):
 
 # ---- Hugging Face datasets ----------------------------------------------------------------------------------
 def test_saved_dataset_and_dataset_dict(tmp_path, data_pairs):
-    datasets = pytest.importorskip("datasets")
     rows = {"translation": [{"en": s, "de": t} for s, t in data_pairs[:200]]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "flat"))
     got = pairs_of(DataConfig(corpus=str(tmp_path / "flat"), valid_fraction=0.1, test_fraction=0.1))
@@ -189,14 +189,12 @@ def test_saved_dataset_and_dataset_dict(tmp_path, data_pairs):
 
 
 def test_saved_dataset_missing_language_names_row(tmp_path):
-    datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"translation": [{"en": "a", "fr": "b"}]}).save_to_disk(str(tmp_path / "x"))
     with pytest.raises(DataError, match=r"row 0: 'translation' has no key 'de'"):
         all_pairs(DataConfig(corpus=str(tmp_path / "x")))
 
 
 def test_saved_dataset_of_documents(tmp_path):
-    datasets = pytest.importorskip("datasets")
     texts = [f"document {i}\nwith two lines" for i in range(2500)]
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(tmp_path / "docs"))
     cfg = DataConfig(corpus=str(tmp_path / "docs"), text_field="body")
@@ -211,7 +209,6 @@ def test_saved_dataset_of_documents(tmp_path):
 
 
 def test_hub_name_offline_fails_fast_with_advice(monkeypatch):
-    pytest.importorskip("datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never touch the network from a test, online or not
     t0 = time.perf_counter()
     with pytest.raises(DataError, match=r"cannot load Hugging Face dataset .*save_to_disk.*\.tsv/\.jsonl"):

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import datasets
 import lightning as L
 import pytest
 import torch
@@ -162,7 +163,6 @@ def test_empty_corpus_and_empty_split(tmp_path, data_pairs):
 
 
 def test_saved_dataset_dict_through_the_datamodule(tmp_path, data_pairs):
-    datasets = pytest.importorskip("datasets")
     tr = [{"en": s, "de": t} for s, t in data_pairs[:1200]]
     datasets.DatasetDict({
         "train": datasets.Dataset.from_dict({"translation": tr[:1000]}),

@@ -57,6 +57,7 @@ def test_save_load_and_separate_vocabularies(data_pairs, tmp_path):
         Tokenizer.load(tmp_path)
 
 
+@pytest.mark.slow
 def test_round_trip_whole_demo_corpus(data_locale_de, tmp_path):
     """Every string of gettext:de, both sides, decodes back to its NFC form (BLEU is computed on real text)."""
     pairs = gettext_pairs(str(data_locale_de), "de")

@@ -21,6 +21,7 @@ from attnlab.decode import (
 )
 from attnlab.models.attention import KVCache
 from attnlab.models.transformer import build_model
+from conftest import jitter
 
 PAD, BOS, EOS = 0, 1, 2
 V = 40
@@ -29,7 +30,7 @@ V = 40
 def tiny(arch: str = "encoder_decoder", seed: int = 0, **kw) -> nn.Module:
     torch.manual_seed(seed)
     cfg = ModelConfig(arch=arch, vocab_size=V, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2, dropout=0.0, **kw)
-    return build_model(cfg).eval()
+    return jitter(build_model(cfg), seed).eval()  # biases != 0, norms != 1: each path must apply them
 
 
 def bias_token(model: nn.Module, token: int, value: float) -> nn.Module:

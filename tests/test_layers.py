@@ -72,9 +72,14 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_rmsnorm_matches_formula():
+    """y = g * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019, eq. 4), with a gain g far from 1."""
     x = torch.randn(3, 8)
     n = RMSNorm(8, eps=1e-6)
-    torch.testing.assert_close(n(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with torch.no_grad():
+        n.weight.copy_(torch.linspace(-2.0, 3.0, 8))
+    want = torch.linspace(-2.0, 3.0, 8) * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(n(x), want)
+    assert not torch.allclose(n(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=0.1)
 
 
 @pytest.mark.parametrize("norm", CHOICES["norm"])
@@ -116,6 +121,77 @@ def test_every_ffn_choice_computes_its_formula_and_is_counted(ffn):
     assert sum(p.numel() for p in m.parameters()) == ffn_params(cfg)
 
 
+def glu_by_hand(x, w_gate, b_gate, w_up, b_up, w2, b2, act):
+    """FFN_GLU-variant(x) = (act(x W + b) * (x V + c)) W2 + b2, element by element (Shazeer 2020, eqs. 5-6)."""
+    out = torch.zeros(x.shape[0], w2.shape[0], dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for j in range(w_gate.shape[0]):
+            gate = act(float(x[n] @ w_gate[j] + b_gate[j]))
+            up = float(x[n] @ w_up[j] + b_up[j])
+            out[n] += gate * up * w2[:, j].double()
+    return out + b2.double()  # (N, d)
+
+
+@pytest.mark.parametrize("ffn,act", [("reglu", lambda v: max(0.0, v)),
+                                     ("geglu", lambda v: v * 0.5 * (1 + math.erf(v / math.sqrt(2))))])
+def test_reglu_and_geglu_against_shazeer_2020(ffn, act):
+    """Gate and up projections drawn separately, with biases, and put into the fused fc1 as [gate; up]; swapping the
+    halves gives another function (so the test pins which half is the gate)."""
+    g = torch.Generator().manual_seed(0)
+    cfg = ModelConfig(d_model=8, n_heads=2, ffn=ffn, d_ff=6)
+    m = FeedForward(cfg)
+    w_gate, w_up, w2 = (torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(8, 6, generator=g))
+    b_gate, b_up, b2 = torch.randn(6, generator=g), torch.randn(6, generator=g), torch.randn(8, generator=g)
+    with torch.no_grad():
+        m.fc1.weight.copy_(torch.cat((w_gate, w_up)))
+        m.fc1.bias.copy_(torch.cat((b_gate, b_up)))
+        m.fc2.weight.copy_(w2)
+        m.fc2.bias.copy_(b2)
+    x = torch.randn(5, 8, generator=g)
+    want = glu_by_hand(x, w_gate, b_gate, w_up, b_up, w2, b2, act)
+    torch.testing.assert_close(m(x).double(), want, atol=1e-4, rtol=1e-5)
+    swapped = glu_by_hand(x, w_up, b_up, w_gate, b_gate, w2, b2, act)
+    assert not torch.allclose(swapped, want, atol=1e-2)
+
+
+@pytest.mark.parametrize("n_kv_heads", [8, 2])
+def test_xavier_init_standard_deviations(n_kv_heads):
+    """init=xavier (fairseq): each projection U(-a, a), a = sqrt(6 / (fan_in + fan_out)), so std sqrt(2 / (fan_in +
+    fan_out)), a fused projection's parts each with their own fan_out; biases 0; embeddings N(0, d^-1/2)."""
+    torch.manual_seed(0)
+    d, ff = 256, 512
+    cfg = ModelConfig(vocab_size=2000, d_model=d, n_heads=8, n_kv_heads=n_kv_heads, n_enc_layers=1, n_dec_layers=1,
+                      d_ff=ff, ffn="swiglu", tie_embeddings="none")
+    model = build_model(cfg)
+    blk = model.decoder.layers[0]
+    kv = n_kv_heads * d // 8
+    q, k, v = blk.self_attn.qkv_proj.weight.split([d, kv, kv])
+    ck, cv = blk.cross_attn.kv_proj.weight.split([kv, kv])
+    gate, up = blk.ffn.fc1.weight.split([ff, ff])
+    for w, fan_in, fan_out in [(q, d, d), (k, d, kv), (v, d, kv), (ck, d, kv), (cv, d, kv), (gate, d, ff),
+                               (up, d, ff), (blk.ffn.fc2.weight, ff, d), (blk.self_attn.out_proj.weight, d, d),
+                               (model.head.weight, d, 2000)]:
+        bound = math.sqrt(6 / (fan_in + fan_out))
+        assert w.abs().max() <= bound and w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03)
+    assert all(not b.any() for name, b in model.named_parameters() if name.endswith("proj.bias"))
+    assert model.decoder.embed.weight.std().item() == pytest.approx(d**-0.5, rel=0.03)
+
+
+def test_normal_init_scales_the_residual_projections_by_depth():
+    """init=normal (GPT-2, Radford et al. 2019, section 2.3): N(0, init_std) everywhere, the projections into the
+    residual stream (attention output, fc2) N(0, init_std / sqrt(2 * layers)); biases 0."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="decoder_only", vocab_size=4000, d_model=256, n_heads=8, n_dec_layers=8, init="normal",
+                      init_std=0.05, position="rope", norm_position="pre")
+    model = build_model(cfg)
+    blk = model.decoder.layers[3]
+    for w, std in [(blk.self_attn.qkv_proj.weight, 0.05), (blk.ffn.fc1.weight, 0.05),
+                   (model.decoder.embed.weight, 0.05), (blk.self_attn.out_proj.weight, 0.05 / 4),
+                   (blk.ffn.fc2.weight, 0.05 / 4)]:
+        assert w.mean().abs() < 0.05 * std and w.std().item() == pytest.approx(std, rel=0.03)
+    assert not blk.ffn.fc1.bias.any() and not blk.self_attn.out_proj.bias.any()
+
+
 def test_bert_base_layer_is_7084800_parameters():
     cfg = ModelConfig(arch="encoder_only", d_model=768, n_heads=12, d_ff=3072, ffn="gelu", attn_bias=False,
                       ffn_bias=True, norm="layernorm", vocab_size=30522)
@@ -129,7 +205,10 @@ def test_base_and_big_transformer_counts():
     assert base["encoder.self_attention"] == 6 * (4 * 512 * 512 + 4 * 512)
     assert base["total"] == 37000 * 512 + 6 * 3_152_384 + 6 * 4_204_032
     big = count_parameters(ModelConfig(vocab_size=37000, d_model=1024, n_heads=16, d_ff=4096))
-    assert 200e6 < big["total"] < 215e6
+    attention, ffn, norm = 4 * 1024 * 1024 + 4 * 1024, 2 * 1024 * 4096 + 4096 + 1024, 2 * 1024
+    encoder_layer, decoder_layer = attention + ffn + 2 * norm, 2 * attention + ffn + 3 * norm
+    assert (encoder_layer, decoder_layer) == (12_596_224, 16_796_672)
+    assert big["total"] == 37000 * 1024 + 6 * encoder_layer + 6 * decoder_layer == 214_245_376
 
 
 def test_accounting_scales_instantly_to_billions():
@@ -149,6 +228,8 @@ def test_flops_are_6n_plus_attention():
     non_embedding = n["total"] - n["embeddings"]  # the head is a matmul and counts
     T = 128
     assert flops_per_token(cfg, T) == pytest.approx(6 * non_embedding + 12 * 2 * 64 * T)
+    with_norm = cfg.replace(embed_norm=True)  # one more LayerNorm (2 x 64 parameters), 6 FLOPs each a token
+    assert flops_per_token(with_norm, T) == pytest.approx(flops_per_token(cfg, T) + 6 * 128)
     ed = ModelConfig(vocab_size=1000, d_model=64, n_heads=4, n_enc_layers=1, n_dec_layers=1)
     f = training_flops(ed, seq_len=10, src_len=30)
     assert f["encoder.attention"] == 12 * 64 * 30 * 30 and f["decoder.cross_attention"] == 12 * 64 * 10 * 30

@@ -1,5 +1,7 @@
 """The whole variant grid: builds, trains (finite grads everywhere), KV cache == full forward, causality,
 padding invariance, sdpa == eager == flash_attn (a plain-PyTorch stand-in on CPU), accounting == built model.
+The equality checks run on jittered weights (conftest.jitter: biases away from 0, norms away from 1), so a bias or
+a norm that one code path drops (the cached decoder's cross-attention K/V bias, say) changes its outputs.
 
 Every axis is read from `attnlab.config.CHOICES`, so a new choice there is in the grid without editing this file."""
 
@@ -19,6 +21,7 @@ from attnlab.models.accounting import count_parameters
 from attnlab.models.attention import Attention, Mask
 from attnlab.models.block import Block
 from attnlab.models.transformer import build_model
+from conftest import jitter
 
 ARCHS = list(CHOICES["arch"])
 POSITIONS = list(CHOICES["position"])
@@ -28,7 +31,7 @@ INNER = list(itertools.product(CHOICES["ffn"], [False, True]))  # ffn x qk_norm
 EXTRAS = [
     dict(n_kv_heads=4, tie_embeddings="all"),
     dict(n_kv_heads=2, attn_bias=False, ffn_bias=False, tie_embeddings="none"),
-    dict(n_kv_heads=1, norm_bias=False, tie_embeddings="decoder", scale_embeddings=False),
+    dict(n_kv_heads=1, norm_bias=False, tie_embeddings="decoder", scale_embeddings=False, embed_norm=True),
 ]
 BACKENDS = list(CHOICES["attention_backend"])
 V = 37
@@ -123,7 +126,7 @@ def test_variant_grid(arch, norm, norm_position, block, position):
     for i, (ffn, qk_norm) in enumerate(INNER):
         cfg = tiny(arch=arch, norm=norm, norm_position=norm_position, block=block, position=position, ffn=ffn,
                    qk_norm=qk_norm, dropout=0.1, attn_dropout=0.1, **EXTRAS[i % len(EXTRAS)])
-        model = build_model(cfg)
+        model = jitter(build_model(cfg), seed=i)
         # exact accounting, from the config alone
         assert count_parameters(cfg)["total"] == sum(p.numel() for p in model.parameters()), cfg
         # forward + backward in train mode; every parameter gets a finite gradient
@@ -172,7 +175,7 @@ def check_cache(model, cfg, src, tgt, full):
 def test_cache_reorder_follows_the_surviving_hypotheses():
     """Beam search reorders the cache rows; decoding on continues as if the reordered batch had been fed."""
     cfg = tiny(position="rope", norm_position="pre")
-    model = build_model(cfg).eval()
+    model = jitter(build_model(cfg)).eval()
     src, tgt = tokens(3, 6, 1), tokens(3, 5, 2)
     src[2, 4:] = 0
     order = torch.tensor([2, 0, 0])
@@ -193,7 +196,7 @@ def test_causality(arch, position, backend):
     """Changing a future token never changes an earlier output."""
     torch.manual_seed(0)
     cfg = tiny(arch=arch, position=position, norm_position="pre", attention_backend=backend)
-    model = build_model(cfg).eval()
+    model = jitter(build_model(cfg)).eval()
     src, tgt = tokens(2, 8, 3), tokens(2, 9, 4)
     base = run(model, cfg, src, tgt)
     for t in range(tgt.shape[1]):
@@ -211,7 +214,7 @@ def test_padding_never_changes_real_outputs(arch, position):
     encoder's self-attention and the decoder's cross-attention, on every backend."""
     torch.manual_seed(0)
     cfg = tiny(arch=arch, position=position, qk_norm=True)
-    model = build_model(cfg).eval()
+    model = jitter(build_model(cfg)).eval()
     short, long_ = tokens(1, 5, 5), tokens(1, 9, 6)
     batch = torch.zeros(2, 9, dtype=torch.long)
     batch[0, :5], batch[1] = short[0], long_[0]
@@ -232,7 +235,7 @@ def test_padding_never_changes_real_outputs(arch, position):
 def test_a_source_of_only_padding_is_finite_and_the_same_on_every_backend(position):
     """Its queries see no key at all: every backend gives a zero attention output there, never NaN."""
     cfg = tiny(position=position)
-    model = build_model(cfg).eval()
+    model = jitter(build_model(cfg)).eval()
     src, tgt = tokens(2, 5, 1), tokens(2, 4, 2)
     src[1] = 0
     with torch.no_grad():
@@ -248,7 +251,7 @@ def test_a_source_of_only_padding_is_finite_and_the_same_on_every_backend(positi
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
 def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
     cfg = tiny(arch="decoder_only", n_heads=4, n_kv_heads=n_kv_heads, position="rope")
-    model = build_model(cfg)
+    model = jitter(build_model(cfg))
     qkv = model.decoder.layers[0].self_attn.qkv_proj
     assert qkv.out_features == (4 + 2 * n_kv_heads) * cfg.head_dim
     model.eval()
@@ -262,7 +265,7 @@ def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
 def test_sdpa_gqa_without_enable_gqa(monkeypatch):
     """torch < 2.5 has no enable_gqa: the K/V heads are repeated before SDPA instead, with the same result."""
     cfg = tiny(arch="decoder_only", n_kv_heads=1, position="rope")
-    model = build_model(cfg).eval()
+    model = jitter(build_model(cfg)).eval()
     ids = tokens(2, 6)
     with torch.no_grad():
         want = model(ids)
@@ -362,6 +365,78 @@ def test_block_norms_have_names_and_unused_ones_are_identity(norm_position, bloc
         assert used == want
 
 
+@pytest.mark.parametrize("block", CHOICES["block"])
+def test_sandwich_norm_is_ding_2021(block):
+    """Sandwich (CogView, arXiv:2105.13290, eq. 2): a norm before each sublayer and one on its output, the residual
+    untouched: serial x1 = x + N1o(attn(N1(x))), x2 = x1 + N2o(ffn(N2(x1))); parallel x + N1o(attn(N1(x))) +
+    N2o(ffn(N2(x))). The norms (jittered, each different) are applied here by hand as LayerNorms with their weights."""
+    cfg = tiny(arch="decoder_only", norm_position="sandwich", block=block, position="rope")
+    blk = jitter(Block(cfg)).eval()
+    x = torch.randn(2, 5, cfg.d_model)  # (B, T, d)
+    mask = Mask(causal=True)
+
+    def ln(norm, h):
+        return F.layer_norm(h, (cfg.d_model,), norm.weight, norm.bias, cfg.norm_eps)
+
+    with torch.no_grad():
+        a = ln(blk.self_attn_out_norm, blk.self_attn(ln(blk.self_attn_norm, x), mask))
+        if block == "serial":
+            x1 = x + a
+            want = x1 + ln(blk.ffn_out_norm, blk.ffn(ln(blk.ffn_norm, x1)))
+        else:
+            want = x + a + ln(blk.ffn_out_norm, blk.ffn(ln(blk.ffn_norm, x)))
+        torch.testing.assert_close(blk(x, mask), want, atol=1e-5, rtol=1e-5)
+
+
+def test_position_none_carries_no_order():
+    """position=none (no positional information at all): a bidirectional encoder is then permutation-equivariant,
+    permuting the tokens permutes its outputs; with learned positions it is not."""
+    ids, perm = tokens(2, 9, 3), torch.randperm(9, generator=torch.Generator().manual_seed(1))
+    for position, equivariant in (("none", True), ("learned", False)):
+        model = jitter(build_model(tiny(arch="encoder_only", position=position))).eval()
+        with torch.no_grad():
+            out, permuted = model(ids), model(ids[:, perm])  # (B, T, V) each
+        assert torch.allclose(permuted, out[:, perm], atol=1e-5) == equivariant, position
+
+
+def test_dropout_is_on_the_embeddings_and_each_sublayer_output():
+    """dropout p: x0 = drop(embed + pos), then x = x + drop(f(norm(x))) per sublayer (pre-norm), each mask an
+    inverted dropout (kept values scaled by 1 / (1 - p)); drawn here in the same order from the same seed."""
+    cfg = tiny(arch="decoder_only", norm_position="pre", position="sinusoidal", dropout=0.3, scale_embeddings=True)
+    model = jitter(build_model(cfg)).train()
+    ids = tokens(2, 7)
+    torch.manual_seed(5)
+    got = model(ids, return_hidden=True)  # (B, T, d)
+    dec = model.decoder
+    with torch.no_grad():
+        torch.manual_seed(5)
+        x = F.dropout(dec.embed(ids) * math.sqrt(cfg.d_model) + dec.positions(0, 7, ids.device), 0.3)
+        for blk in dec.layers:
+            x = x + F.dropout(blk.self_attn(blk.self_attn_norm(x), Mask(causal=True)), 0.3)
+            x = x + F.dropout(blk.ffn(blk.ffn_norm(x)), 0.3)
+        want = dec.norm(x)
+    torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, model.eval()(ids, return_hidden=True).detach(), atol=1e-3)
+
+
+def test_attn_dropout_drops_attention_probabilities():
+    """attn_dropout p (eager backend): softmax(q k^T / sqrt(hd)) -> inverted dropout -> @ v, drawn here from the same
+    seed; the residual dropout is 0, so that mask is the only random draw."""
+    cfg = tiny(arch="decoder_only", attn_dropout=0.4, attention_backend="eager", n_kv_heads=4)
+    attn = jitter(Attention(cfg)).train()
+    x = torch.randn(2, 6, cfg.d_model)  # (B, T, d)
+    torch.manual_seed(9)
+    got = attn(x, Mask(causal=True))
+    with torch.no_grad():
+        q, k, v = (t.view(2, 6, 4, 8).transpose(1, 2) for t in attn.qkv_proj(x).split(32, dim=-1))  # (B, H, T, hd)
+        s = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf"))
+        torch.manual_seed(9)
+        w = F.dropout(s.softmax(-1), 0.4)  # (B, H, T, T)
+        want = attn.out_proj((w @ v).transpose(1, 2).reshape(2, 6, 32))
+    torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, attn.eval()(x, Mask(causal=True)).detach(), atol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Accounting over the switches the forward grid only samples, component by component.
 # ---------------------------------------------------------------------------------------------------------
@@ -373,8 +448,8 @@ def component(name: str) -> str:
     stack = parts[0]
     if parts[1] == "embed":
         return "embeddings"
-    if parts[1] == "positions":
-        return f"{stack}.positions"
+    if parts[1] in ("positions", "embed_norm"):
+        return f"{stack}.{parts[1]}"
     if parts[1] == "norm":  # the final norm of a pre/sandwich stack
         return f"{stack}.norms"
     sub = parts[3]  # layers.<i>.<sub>: a sublayer, or one of the Block's norms (self_attn_norm, ..., post_norm)
@@ -386,14 +461,15 @@ def component(name: str) -> str:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_accounting_equals_the_built_model_component_by_component(arch):
     switches = itertools.cycle(itertools.product(CHOICES["norm"], CHOICES["ffn"], [False, True], [False, True],
-                                                 [False, True]))  # norm, ffn, 3 bias switches
+                                                 [False, True], [False, True]))  # norm, ffn, 3 biases, embed_norm
     outer = list(itertools.product(CHOICES["norm_position"], CHOICES["block"], [False, True], [4, 2, 1],
                                    CHOICES["tie_embeddings"], [False, True]))
     n = 0
     for norm_position, block, qk_norm, n_kv, tie, learned in outer:
-        norm, ffn, attn_bias, ffn_bias, norm_bias = next(switches)
+        norm, ffn, attn_bias, ffn_bias, norm_bias, embed_norm = next(switches)
         cfg = tiny(arch=arch, norm=norm, norm_position=norm_position, block=block, ffn=ffn, qk_norm=qk_norm,
                    n_kv_heads=n_kv, attn_bias=attn_bias, ffn_bias=ffn_bias, norm_bias=norm_bias, tie_embeddings=tie,
+                   embed_norm=embed_norm,
                    position="learned" if learned else "rope", n_enc_layers=3, n_dec_layers=2,
                    src_vocab_size=29 if tie != "all" else 0, d_ff=48 if n % 2 else 0)
         model = build_model(cfg)

@@ -1,6 +1,5 @@
 """Schedules against their formulas, AdamW groups, and the loss against torch's cross-entropy."""
 
-import math
 
 import pytest
 import torch
@@ -89,4 +88,6 @@ def test_bad_optim_values_name_the_key():
         OptimConfig.from_dict({"warmupsteps": 10})
     with pytest.raises(ConfigError, match=r"optim.beta2=1.5 must be in \[0, 1\)"):
         OptimConfig(beta2=1.5)
-    assert math.isfinite(OptimConfig().eps)
+    with pytest.raises(ConfigError, match=r"optim.eps=0.0 must be > 0"):
+        OptimConfig(eps=0.0)
+    assert OptimConfig().eps == 1e-9  # the paper's epsilon (section 5.3)

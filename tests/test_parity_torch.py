@@ -14,6 +14,7 @@ from torch import nn
 
 from attnlab.config import ModelConfig
 from attnlab.models.transformer import build_model
+from conftest import jitter
 
 V, V_SRC, D, H, FF, N = 53, 47, 32, 4, 64, 2
 ATOL, RTOL = 1e-5, 1e-5
@@ -58,14 +59,6 @@ class TorchReference(nn.Module):
                              memory_key_padding_mask=src_pad)  # (B, T, d)
         memory = self.transformer.encoder(x_src, src_key_padding_mask=src_pad)  # (B, S, d), to compare too
         return self.out(h), memory
-
-
-def jitter(model: nn.Module, seed: int = 1) -> None:
-    """Move every parameter off its init (zero biases, unit norms) so that each one matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def copy_attention(mha: nn.MultiheadAttention, attn, cross: bool) -> None:

@@ -11,6 +11,7 @@ from attnlab.config import ModelConfig
 from attnlab.decode import beam_search, generate, greedy_search
 from attnlab.models.attention import KVCache, Mask, StaticKVCache
 from attnlab.models.transformer import build_model
+from conftest import jitter
 
 PAD, BOS, EOS = 0, 1, 2
 V = 50
@@ -20,13 +21,13 @@ def lm(seed: int = 0, **kw) -> nn.Module:
     torch.manual_seed(seed)
     base = dict(arch="decoder_only", vocab_size=V, d_model=32, n_heads=4, n_kv_heads=2, n_dec_layers=2,
                 norm="rmsnorm", norm_position="pre", ffn="swiglu", position="rope", dropout=0.0, max_seq_len=64)
-    return build_model(ModelConfig(**{**base, **kw})).eval()
+    return jitter(build_model(ModelConfig(**{**base, **kw})), seed).eval()  # biases != 0, norms != 1
 
 
 def seq2seq(seed: int = 0, **kw) -> nn.Module:
     torch.manual_seed(seed)
     base = dict(vocab_size=V, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2, dropout=0.0)
-    return build_model(ModelConfig(**{**base, **kw})).eval()
+    return jitter(build_model(ModelConfig(**{**base, **kw})), seed).eval()  # biases != 0, norms != 1
 
 
 def eos_bias(model: nn.Module, value: float) -> nn.Module:

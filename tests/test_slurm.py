@@ -294,6 +294,7 @@ trainer: {{accelerator: cpu, max_steps: {max_steps}, val_every: {val_every or ma
 
 
 # ---------------------------------------------------------------------------------------------- cluster tests
+@pytest.mark.slow
 def test_a_grid_runs_as_an_array_of_two_workers_and_its_table_is_right(slurm_cluster, tmp_path, monkeypatch, capsys):
     """4 points, 2 array tasks (one worker each), the fake fit of test_ablate_runner in srun steps. The study's
     name and directory hold shell syntax (and spaces): they must reach the script only quoted."""
@@ -351,6 +352,7 @@ def test_a_grid_runs_as_an_array_of_two_workers_and_its_table_is_right(slurm_clu
     assert len((study_dir / "slurm" / "jobs.jsonl").read_text().splitlines()) == 1, "nothing was submitted again"
 
 
+@pytest.mark.slow
 def test_a_fit_with_two_slurm_tasks_runs_ddp_on_gloo_through_srun(slurm_cluster, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     recipe = write_lm_recipe(tmp_path, max_steps=6, ckpt_every=3)
@@ -369,6 +371,7 @@ def test_a_fit_with_two_slurm_tasks_runs_ddp_on_gloo_through_srun(slurm_cluster,
     assert "devices: 2" in (run_dir / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path,
                                                                                    monkeypatch, capsys):
     """The preemption path: USR1 to the batch shell -> worker -> srun -> Lightning (hpc checkpoint, scontrol

@@ -24,8 +24,10 @@ import yaml
 from attnlab.checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
 from attnlab.config import ConfigError
 from attnlab.data.tokenizer import Tokenizer
+from attnlab.decode import beam_search, greedy_search
 from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
+from attnlab.lit import seq2seq
 from attnlab.lit.optim import lr_factor
 from attnlab.lit.seq2seq import strip_special
 from attnlab.rundir import archive_previous, run_metrics
@@ -82,6 +84,22 @@ def train_rows(metrics: dict[str, dict[int, list[float]]]) -> dict[str, dict[int
     return {k: v for k, v in metrics.items() if k.startswith("train/") and k != "train/tokens_per_s"}
 
 
+def sample_scores(dm, module, beam: int, sentences: int) -> tuple[float, float]:
+    """sacreBLEU's BLEU and chrF of every k-th validation sentence (k = ceil(n / sentences), what validation
+    decodes), each translated alone by greedy search (beam 1) or beam search, detokenised, against its raw text."""
+    ds, (_, refs) = dm.dataset("valid"), dm.split_texts("valid")
+    c, model = module.decode_cfg, module.model
+    kw = dict(max_len_a=c.max_len_a, max_len_b=c.max_len_b)
+    hyps, picked = [], range(0, len(ds), -(-len(ds) // sentences))
+    for i in picked:
+        src = torch.tensor([ds[i][0].tolist() + [dm.eos_id]])  # (1, S): the source as collated, ending in EOS
+        best = (greedy_search(model, src, **kw)[0] if beam == 1 else
+                beam_search(model, src, beam_size=beam, len_penalty=c.len_penalty, penalty=c.penalty, **kw)[0][0][0])
+        hyps.append(dm.tokenizer.decode(best))
+    ref = [[refs[i] for i in picked]]
+    return sacrebleu.corpus_bleu(hyps, ref).score, sacrebleu.corpus_chrf(hyps, ref).score
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, Path]:
     """(recipe, run directory) of an 8-step fit without dropout (so the first step's loss can be recomputed)."""
@@ -132,7 +150,11 @@ def test_fit_logs_training_and_validation_metrics(tiny_run):
         assert sorted(m[col]) == [3, 7], col  # validation after steps 4 and 8
     for s in (3, 7):
         assert m["val/ppl"][s][0] == pytest.approx(math.exp(m["val/loss"][s][0]), rel=1e-5)
-        assert 0.0 <= m["val/bleu"][s][0] <= 100.0 and 0.0 <= m["val/chrf"][s][0] <= 100.0
+    # the last validation ran on the final weights (last.ckpt): its scores are those of their greedy translations
+    dm, _ = prepare(exp)
+    bleu, chrf = sample_scores(dm, load_module(run_dir / "checkpoints" / "last.ckpt"), 1, exp.decode.val_sentences)
+    assert m["val/bleu"][7][0] == pytest.approx(bleu, rel=1e-6, abs=1e-9)
+    assert m["val/chrf"][7][0] == pytest.approx(chrf, rel=1e-6) and chrf > 0  # 8 steps: some characters right
     sig = (run_dir / "sacrebleu_signature.txt").read_text(encoding="utf-8").splitlines()
     assert sig[0].startswith("BLEU nrefs:1|case:mixed|") and "|tok:13a|smooth:exp|" in sig[0]
     assert sig[0].endswith(f"version:{sacrebleu.__version__}")
@@ -189,6 +211,25 @@ def test_validation_bleu_and_chrf_are_sacrebleu_on_the_real_text(tiny_run, tmp_p
     assert 10.0 < bleu < 100.0 and 10.0 < chrf < 100.0
     assert logged["val/bleu"] == pytest.approx(bleu, abs=1e-4)
     assert logged["val/chrf"] == pytest.approx(chrf, abs=1e-4)
+
+
+def test_validation_decodes_with_decode_val_beam(tiny_run, tmp_path, monkeypatch):
+    """decode.val_beam 3: validation translates by beam search of width 3 (not greedy, not decode.beam = 2), and its
+    scores are those of beam-3 translations of the same sample."""
+    recipe, run_dir = tiny_run
+    dm, exp = prepare(load_experiment(recipe, {"decode.val_beam": 3}))
+    module = load_module(run_dir / "checkpoints" / "last.ckpt", exp.decode)
+    module.set_tokenizer(dm.tokenizer.decode_batch)
+    widths = []
+    monkeypatch.setattr(seq2seq, "greedy_search", None)  # calling it would fail
+    monkeypatch.setattr(seq2seq, "beam_search", lambda m, src, beam_size, **kw: widths.append(beam_size)
+                        or beam_search(m, src, beam_size=beam_size, **kw))
+    trainer = make_trainer(exp, tmp_path, logger=False, callbacks=[], enable_progress_bar=False)
+    logged = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    assert widths and set(widths) == {3}
+    bleu, chrf = sample_scores(dm, module, 3, exp.decode.val_sentences)
+    assert logged["val/bleu"] == pytest.approx(bleu, rel=1e-6, abs=1e-9)
+    assert logged["val/chrf"] == pytest.approx(chrf, rel=1e-6) and chrf > 0
 
 
 def test_validation_cut_short_by_limit_val_batches_decodes_the_first_sentences(tiny_run, tmp_path):
@@ -268,6 +309,7 @@ def _sigterm_when_logged(proc: subprocess.Popen, metrics: Path, step: int, out: 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
     """`attnlab fit` killed with SIGTERM in the middle of its second epoch saves the exact state and exits 143;
     `fit --ckpt_path last` then continues it, and every per-step value equals the uninterrupted run's."""

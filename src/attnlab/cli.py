@@ -91,7 +91,7 @@ def info_config(path: str) -> tuple[ModelConfig, str, str | None]:
         return cfg, f"model.vocab_size={cfg.vocab_size:,}", None
     exp = load_experiment(path)
     changes: dict[str, Any] = {"vocab_size": exp.data.vocab_size, "src_vocab_size": 0}  # as resolve_model
-    if exp.task == "lm":
+    if exp.task in ("lm", "mlm"):
         changes["max_seq_len"] = max(exp.model.max_seq_len, exp.data.seq_len)
         kind = "BPE"
     else:
@@ -127,7 +127,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     counts = count_parameters(cfg)
     total = counts.pop("total")
     print(f"{args.config}: arch={cfg.arch} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.kv_heads} "
-          f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position} block={cfg.block} position={cfg.position}")
+          f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position}{'+embed_norm' * cfg.embed_norm} "
+          f"block={cfg.block} position={cfg.position}")
     print(f"vocabulary: {vocab_from}; embeddings tied: {cfg.tie_embeddings}")
     width = max(len(k) for k in counts)
     for name, n in counts.items():

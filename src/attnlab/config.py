@@ -98,6 +98,7 @@ class ModelConfig(StrictConfig):
     rope_fraction: float = 1.0  # share of each head's dims that rotate (GPT-NeoX rotary_pct)
     tie_embeddings: str = "all"  # none, decoder (decoder input = output table) or all (source, target, output)
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (Vaswani 2017)
+    embed_norm: bool = False  # a norm right after the embeddings (+ positions), before the blocks (BERT, BLOOM)
     dropout: float = 0.1  # residual and embedding dropout
     attn_dropout: float = 0.0  # dropout on attention probabilities
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c) (Gemma 2)

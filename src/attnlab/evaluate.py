@@ -21,7 +21,7 @@ from .bleu import sacrebleu_bleu
 from .checkpoints import load_checkpoint
 from .config import ConfigError, DecodeConfig, load_yaml
 from .data.tokenizer import Tokenizer
-from .lit import LMModule, Seq2SeqModule
+from .lit import LMModule, MLMModule, Seq2SeqModule
 
 log = logging.getLogger("attnlab")
 
@@ -48,7 +48,7 @@ def load_tokenizer(ckpt_path: str | Path, ckpt: dict[str, Any] | None = None) ->
 
 
 def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None,
-                ckpt: dict[str, Any] | None = None) -> Seq2SeqModule | LMModule:
+                ckpt: dict[str, Any] | None = None) -> Seq2SeqModule | LMModule | MLMModule:
     """Rebuild the exact model from the checkpoint's hyper-parameters and load its weights (eval mode). `ckpt`: the
     checkpoint already read from `ckpt_path`, if it was."""
     ckpt = load_checkpoint(ckpt_path) if ckpt is None else ckpt
@@ -58,10 +58,10 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None,
         if hp["model"].get("arch") == "encoder_decoder":
             if decode is not None:
                 hp["decode"] = decode.to_dict()
-            module: Seq2SeqModule | LMModule = Seq2SeqModule(**hp)
+            module: Seq2SeqModule | LMModule | MLMModule = Seq2SeqModule(**hp)
         else:
             hp.pop("decode", None)
-            module = LMModule(**hp)
+            module = (MLMModule if hp["model"].get("arch") == "encoder_only" else LMModule)(**hp)
         missing, unexpected = module.load_state_dict(ckpt["state_dict"], strict=False)
     except (TypeError, ValueError, RuntimeError) as e:  # unknown hyper-parameters, bad config, size mismatch
         raise ValueError(f"{ckpt_path}: cannot rebuild its model: {type(e).__name__}: {str(e)[:500]}") from None

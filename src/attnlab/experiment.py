@@ -94,12 +94,16 @@ SECTIONS: dict[str, type[StrictConfig]] = {
 }
 
 
+# The training task of each architecture (the datamodule and LightningModule train.py builds for it)
+TASKS = {"encoder_decoder": "translation", "decoder_only": "lm", "encoder_only": "mlm"}
+
 _ABSENT = object()
 # Fields added, or whose default changed, after run directories were first named by `config_hash`: while a field
 # holds its new default it is hashed as runs made before had it (absent, or the old default), so those runs keep
 # their directories (`--ckpt_path last` finds them; a study does not re-run them).
 HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
     ("data", "locale_dir"): (list(LOCALE_DIRS), "/usr/share/locale"),
+    ("model", "embed_norm"): (False, _ABSENT),
 }
 
 
@@ -114,7 +118,12 @@ class Experiment:
 
     @property
     def task(self) -> str:
-        return "translation" if self.model.arch == "encoder_decoder" else "lm"
+        """What fit trains: translation, lm or mlm (TASKS); an arch without one is a ConfigError, raised before
+        anything (a tokenizer, a cache) is built."""
+        if self.model.arch not in TASKS:
+            trains = ", ".join(f"{arch} ({task})" for arch, task in TASKS.items())
+            raise ConfigError(f"model.arch={self.model.arch} has no training task; attnlab fit trains {trains}")
+        return TASKS[self.model.arch]
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **{k: getattr(self, k).to_dict() for k in SECTIONS}}

@@ -26,9 +26,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .bleu import sacrebleu_bleu
 from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
 from .config import ConfigError
-from .data.datamodule import LMDataModule, TranslationDataModule
+from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
+from .data.tokenizer import MASK_ID
 from .experiment import Experiment
-from .lit import LMModule, Seq2SeqModule
+from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
 from .progress import progress_callback
 from .rundir import archive_previous, keep_metrics, write_run_dir
@@ -37,9 +38,11 @@ log = logging.getLogger("attnlab")
 EXTRA_LOGGERS = ("wandb", "mlflow")  # optional extras: attnlab[wandb], attnlab[mlflow]
 
 
-def make_datamodule(exp: Experiment) -> TranslationDataModule | LMDataModule:
-    cls = TranslationDataModule if exp.task == "translation" else LMDataModule
-    return cls(exp.data, seed=exp.trainer.seed)
+DATAMODULES = {"translation": TranslationDataModule, "lm": LMDataModule, "mlm": MLMDataModule}
+
+
+def make_datamodule(exp: Experiment) -> TranslationDataModule | LMDataModule | MLMDataModule:
+    return DATAMODULES[exp.task](exp.data, seed=exp.trainer.seed)  # a ConfigError for an arch without a task
 
 
 def resolve_model(exp: Experiment, dm) -> Experiment:
@@ -48,7 +51,7 @@ def resolve_model(exp: Experiment, dm) -> Experiment:
     if exp.task == "translation":
         src_vocab = getattr(dm, "src_vocab_size", dm.vocab_size)
         changes["src_vocab_size"] = 0 if src_vocab == dm.vocab_size else src_vocab
-    if exp.task == "lm":
+    if exp.task in ("lm", "mlm"):
         changes["max_seq_len"] = max(exp.model.max_seq_len, exp.data.seq_len)
     return exp.replace(model=exp.model.replace(**changes))
 
@@ -61,6 +64,8 @@ def make_module(exp: Experiment, dm=None):
                                eos_id=getattr(dm, "eos_id", 2), tgt_lang=exp.data.tgt_lang, **kw)
         if dm is not None:
             module.set_tokenizer(dm.tokenizer.decode_batch)
+    elif exp.task == "mlm":
+        module = MLMModule(mask_id=getattr(dm, "mask_id", MASK_ID), seed=exp.trainer.seed, **kw)
     else:
         module = LMModule(**kw)
     if dm is not None:

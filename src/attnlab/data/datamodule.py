@@ -44,7 +44,7 @@ from .batching import (
 )
 from .config import CACHE_KEYS, TOKENIZER_KEYS, DataConfig, DataError
 from .corpora import SPLITS, Corpus, iter_split, open_documents, open_parallel
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, check_vocab_size, chunked
+from .tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID, Tokenizer, check_vocab_size, chunked
 
 log = logging.getLogger("attnlab.data")
 
@@ -103,14 +103,16 @@ def env_rank() -> int:
     return 0
 
 
-def build_tokenizer(cfg: DataConfig, corpus: Corpus, build: bool = True) -> tuple[Tokenizer, str]:
+def build_tokenizer(cfg: DataConfig, corpus: Corpus, build: bool = True, mask: bool = False) -> tuple[Tokenizer, str]:
     """Load the tokenizer for (corpus, settings) from the cache, training and caching it when absent
-    (when `build`; else a missing tokenizer is a DataError)."""
-    check_vocab_size(cfg.vocab_size)
+    (when `build`; else a missing tokenizer is a DataError). `mask`: with <mask> (masked language modelling)."""
+    check_vocab_size(cfg.vocab_size, mask=mask)
     settings = {"format": FORMAT, "kind": corpus.kind, "corpus": corpus.identity,
                 **cfg.settings(TOKENIZER_KEYS)}
     if corpus.kind == "documents":
         settings["joint_vocab"] = True  # one text stream: there is nothing to separate
+    if mask:  # only then: every other tokenizer keeps the key (and the cache) it had before <mask> existed
+        settings["mask_token"] = True
     key = settings_hash(settings)
     final = Path(cfg.data_dir) / "tokenizers" / f"{_slug(cfg.corpus)}-{key}"
     if not cache_is_valid(final, settings):
@@ -119,7 +121,7 @@ def build_tokenizer(cfg: DataConfig, corpus: Corpus, build: bool = True) -> tupl
         t0 = time.perf_counter()
         with atomic_dir(final) as tmp:
             if corpus.kind == "documents":
-                tok = Tokenizer.train(_train_texts(corpus, cfg, "doc"), None, cfg.vocab_size, cfg.min_frequency)
+                tok = Tokenizer.train(_train_texts(corpus, cfg, "doc"), None, cfg.vocab_size, cfg.min_frequency, mask)
             elif cfg.joint_vocab:
                 tok = Tokenizer.train(_train_texts(corpus, cfg, "both"), None, cfg.vocab_size, cfg.min_frequency)
             else:
@@ -257,6 +259,7 @@ def build_lm_cache(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_key: str
 # ---------------------------------------------------------------------------------------------
 class _DataModule(L.LightningDataModule):
     pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+    mask_token = False  # whether its tokenizer holds <mask> (masked language modelling)
     wait_s = 3 * 3600.0  # how long a non-zero rank waits in prepare_data for rank 0's caches (BPE on WMT is slow)
     poll_s = 2.0
 
@@ -281,12 +284,12 @@ class _DataModule(L.LightningDataModule):
     def _load(self, build: bool, wait_s: float = 0.0) -> None:
         """Find (or, when `build`, make) the tokenizer and caches. A process that may not build waits up to
         `wait_s` for the builder to publish them, then raises NotBuiltError."""
-        check_vocab_size(self.cfg.vocab_size)
+        check_vocab_size(self.cfg.vocab_size, mask=self.mask_token)
         corpus = self._open_corpus()
         deadline, announced = time.monotonic() + wait_s, False
         while True:
             try:
-                tok, key = build_tokenizer(self.cfg, corpus, build)
+                tok, key = build_tokenizer(self.cfg, corpus, build, self.mask_token)
                 self.cache_dir = self._build_cache(corpus, tok, key, build)
                 break
             except NotBuiltError:
@@ -468,6 +471,14 @@ class LMDataModule(_DataModule):
         sampler = WindowBatchSampler(len(ds), self.batch_size, shuffle=shuffle, seed=self.seed, rank=rank,
                                      world_size=world)
         return self._loader(ds, sampler, collate_windows)
+
+
+class MLMDataModule(LMDataModule):
+    """Masked language modelling: the LM's packed windows ({input, target}; the MLM module masks `input`), and a
+    tokenizer with <mask> at id 4 (`mask_id`), trained and cached apart from the LM's."""
+
+    mask_token = True
+    mask_id = MASK_ID
 
 
 def _split_name(split: str) -> str:

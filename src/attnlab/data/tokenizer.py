@@ -5,7 +5,9 @@ ever <unk>, and text that spells a special token ("</s>") is encoded as plain te
 `decode(encode(x)) == normalize(x) == unicodedata.normalize("NFC", x)` exactly: BLEU is computed on real text.
 No prefix space is added (it would not be removed on decoding).
 
-The ids pad=0, bos=1, eos=2, unk=3 are fixed: the models and the collate functions rely on them.
+The ids pad=0, bos=1, eos=2, unk=3 are fixed: the models and the collate functions rely on them. A tokenizer for
+masked language modelling also holds <mask>, at id 4, after them (trained with `mask=True`); the others do not, so
+their vocabularies, and the tokenizers and token caches saved before <mask> existed, are unchanged.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from .config import DataError
 
-PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+PAD, BOS, EOS, UNK, MASK = "<pad>", "<s>", "</s>", "<unk>", "<mask>"
 SPECIALS = (PAD, BOS, EOS, UNK)
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 N_BYTES = 256  # the byte-level alphabet: every vocabulary holds all of them
 MIN_VOCAB = len(SPECIALS) + N_BYTES
 # Beside tokenizer.json, what makes the folder load with transformers.AutoTokenizer: the special tokens' roles, and
@@ -30,29 +32,36 @@ MIN_VOCAB = len(SPECIALS) + N_BYTES
 _HF_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
               "unk_token": UNK, "clean_up_tokenization_spaces": False, "add_prefix_space": False,
               "split_special_tokens": True}  # text that spells "</s>" stays text, as in attnlab
-HF_FILES = {"tokenizer_config.json": json.dumps(_HF_CONFIG, indent=1),
-            "special_tokens_map.json": json.dumps({k: _HF_CONFIG[k] for k in _HF_CONFIG if k.endswith("_token")})}
 
 
-def check_vocab_size(vocab_size: int, key: str = "data.vocab_size") -> None:
-    if vocab_size < MIN_VOCAB:
-        raise DataError(f"{key}={vocab_size} is too small: the {len(SPECIALS)} special tokens and the "
-                        f"{N_BYTES}-symbol byte alphabet alone need {MIN_VOCAB}")
+def hf_files(mask: bool = False) -> dict[str, str]:
+    """tokenizer_config.json and special_tokens_map.json (with <mask> as mask_token for a masked-LM tokenizer)."""
+    config = {**_HF_CONFIG, **({"mask_token": MASK} if mask else {})}
+    return {"tokenizer_config.json": json.dumps(config, indent=1),
+            "special_tokens_map.json": json.dumps({k: config[k] for k in config if k.endswith("_token")})}
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
-    """A byte-level BPE trained on `texts` (streamed; only word counts are held in memory)."""
-    check_vocab_size(vocab_size)
+def check_vocab_size(vocab_size: int, key: str = "data.vocab_size", mask: bool = False) -> None:
+    n_special = len(SPECIALS) + mask
+    if vocab_size < n_special + N_BYTES:
+        raise DataError(f"{key}={vocab_size} is too small: the {n_special} special tokens and the "
+                        f"{N_BYTES}-symbol byte alphabet alone need {n_special + N_BYTES}")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, mask: bool = False) -> HFTokenizer:
+    """A byte-level BPE trained on `texts` (streamed; only word counts are held in memory); `mask` adds <mask>."""
+    check_vocab_size(vocab_size, mask=mask)
+    specials = SPECIALS + (MASK,) * mask
     tok = HFTokenizer(models.BPE())  # no unk_token: byte-level coverage makes it unnecessary
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIALS),
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    for tid, name in enumerate(SPECIALS):  # special tokens are added first, in order: assert it anyway
+    for tid, name in enumerate(specials):  # special tokens are added first, in order: assert it anyway
         if tok.token_to_id(name) != tid:
             raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, expected {tid}")
     return tok
@@ -78,6 +87,13 @@ class Tokenizer:
             for tid, name in enumerate(SPECIALS):
                 if tok.token_to_id(name) != tid:
                     raise DataError(f"{side} tokenizer: {name} has id {tok.token_to_id(name)}, expected {tid}")
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id of <mask> (4) in a masked-language-modelling tokenizer; None in the others (whose id 4 is an
+        ordinary token, and whose BPE may even have learnt the text "<mask>" as one)."""
+        special = self.src.get_added_tokens_decoder().get(MASK_ID)  # id -> AddedToken, the special tokens
+        return MASK_ID if special is not None and special.content == MASK else None
 
     @property
     def joint(self) -> bool:
@@ -120,7 +136,8 @@ class Tokenizer:
         tokenizer.json (joint) or src.json + tgt.json, and meta.json."""
         sides = {"tokenizer.json": self.src} if self.joint else {"src.json": self.src, "tgt.json": self.tgt}
         files = {name: tok.to_str() for name, tok in sides.items()}
-        meta = {"joint": self.joint, "specials": dict(zip(SPECIALS, range(4), strict=True)),
+        specials = SPECIALS + (MASK,) * (self.mask_id is not None)
+        meta = {"joint": self.joint, "specials": {name: i for i, name in enumerate(specials)},
                 "vocab_size": self.vocab_size, "src_vocab_size": self.src_vocab_size, "normalization": "NFC"}
         files["meta.json"] = json.dumps(meta, indent=1)
         return files
@@ -146,7 +163,7 @@ class Tokenizer:
         d.mkdir(parents=True, exist_ok=True)
         files = self.to_files()
         if self.joint:
-            files.update(HF_FILES)
+            files.update(hf_files(self.mask_id is not None))
         for name in sorted(files, key=lambda n: n == "meta.json"):  # meta.json last: it marks a complete save
             tmp = d / f".{name}.tmp"
             tmp.write_text(files[name], encoding="utf-8")
@@ -163,9 +180,12 @@ class Tokenizer:
 
     @classmethod
     def train(cls, src_texts: Iterable[str], tgt_texts: Iterable[str] | None, vocab_size: int,
-              min_frequency: int = 2) -> Tokenizer:
-        """Joint when `tgt_texts` is None (pass both sides through `src_texts`), else one BPE per side."""
-        src = train_bpe(src_texts, vocab_size, min_frequency)
+              min_frequency: int = 2, mask: bool = False) -> Tokenizer:
+        """Joint when `tgt_texts` is None (pass both sides through `src_texts`), else one BPE per side. `mask`: a
+        joint tokenizer with <mask> (masked language modelling)."""
+        if mask and tgt_texts is not None:
+            raise ValueError("a <mask> tokenizer is for one text stream: pass tgt_texts=None")
+        src = train_bpe(src_texts, vocab_size, min_frequency, mask)
         return cls(src, None if tgt_texts is None else train_bpe(tgt_texts, vocab_size, min_frequency))
 
 

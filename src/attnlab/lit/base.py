@@ -34,6 +34,7 @@ class BaseModule(L.LightningModule):
         self.tokenizer_files: dict[str, str] | None = None  # Tokenizer.to_files(): every checkpoint carries them
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
+        self._step_tokens = torch.zeros(())  # loss tokens of the micro-batches of the optimizer step under way
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -94,8 +95,23 @@ class BaseModule(L.LightningModule):
             self._last_step_time += time.perf_counter() - self._val_start
         self._val_start = None
 
+    def step_loss(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+        """What training_step returns for backward: the summed loss of its micro-batch. `on_before_optimizer_step`
+        divides the gradients by the tokens of the whole optimizer step, over its micro-batches (optim.accumulate)
+        and the DDP ranks: an accumulated step is the step on the joined batch, however the micro-batches' token
+        counts differ (fairseq's normalisation; a mean of per-batch means would weight a short batch's tokens more)."""
+        self._step_tokens = self._step_tokens.to(n_tokens.device) + n_tokens.detach()
+        return loss_sum
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        t = self.trainer
+        # Lightning divided each micro-batch's loss by accumulate, DDP (and FSDP) average the ranks' gradients
+        tokens = t.strategy.reduce(self._step_tokens.float().clone(), reduce_op="sum")
+        scale = t.accumulate_grad_batches * t.world_size / tokens.clamp_min(1)
+        self._step_tokens = torch.zeros((), device=self._step_tokens.device)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             self.log("train/grad_norm", norm)

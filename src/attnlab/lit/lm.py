@@ -18,9 +18,8 @@ class LMModule(BaseModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(batch["input"], return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, batch["target"])
-        loss = loss_sum / n.clamp_min(1)
-        self.log_train_step(loss, nll_sum, n)
-        return loss
+        self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
+        return self.step_loss(loss_sum, n)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         _, nll_sum, n = self.loss(self.model(batch["input"]), batch["target"])

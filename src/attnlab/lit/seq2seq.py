@@ -51,9 +51,8 @@ class Seq2SeqModule(BaseModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, batch["tgt_out"])
-        loss = loss_sum / n.clamp_min(1)
-        self.log_train_step(loss, nll_sum, n)
-        return loss
+        self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
+        return self.step_loss(loss_sum, n)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.decode_cfg.val_beam)

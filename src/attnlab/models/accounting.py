@@ -73,6 +73,8 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     for name, n_layers, cross in stacks:
         if cfg.position == "learned":
             out[f"{name}.positions"] = cfg.max_seq_len * d
+        if cfg.embed_norm:
+            out[f"{name}.embed_norm"] = norm_params(cfg)
         for part, n in block_params(cfg, cross).items():
             out[f"{name}.{part}"] = n_layers * n
         if cfg.final_norm:
@@ -99,7 +101,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, src_len: int | None = None) -
     def stack(name: str, n_layers: int, tokens: int, cross: bool) -> None:
         blk = block_params(cfg, cross)
         dense = n_layers * (blk["self_attention"] + blk["ffn"] + blk["norms"])
-        dense += norm_params(cfg) if cfg.final_norm else 0
+        dense += norm_params(cfg) * (cfg.final_norm + cfg.embed_norm)
         out[f"{name}.dense"] = 6.0 * dense * tokens
         out[f"{name}.attention"] = 12.0 * n_layers * d_attn * tokens * tokens
         if cross:

@@ -28,7 +28,7 @@ def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
 
 
 class Stack(nn.Module):
-    """Token embedding (+ absolute positions) -> N blocks -> final norm (pre/sandwich only)."""
+    """Token embedding (+ absolute positions) (-> embed_norm) -> N blocks -> final norm (pre/sandwich only)."""
 
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding, n_layers: int, causal: bool, cross: bool) -> None:
         super().__init__()
@@ -36,6 +36,8 @@ class Stack(nn.Module):
         self.embed = embed
         self.positions = AbsolutePositions(cfg) if cfg.position in ("sinusoidal", "learned") else None
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        # a norm of the embeddings before the first block (BERT, Devlin et al. 2019; BLOOM, arXiv:2211.05100)
+        self.embed_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
@@ -68,7 +70,7 @@ class Stack(nn.Module):
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
         if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
             x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
-        x = self.drop(x)
+        x = self.drop(self.embed_norm(x))  # (B, T, d)
         key_pad = ids.eq(self.cfg.pad_id) if not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()

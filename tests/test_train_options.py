@@ -1,0 +1,144 @@
+"""Training options the README promises, each run for real on the tiny recipe of test_train: optim.accumulate (one
+step on the joined batch), optim.grad_clip (the norm the optimizer sees), trainer.keep_checkpoints (pruning),
+trainer.max_time_min (a clean stop with checkpoints), trainer.compile (the eager losses)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from attnlab.checkpoints import load_checkpoint
+from attnlab.experiment import load_experiment
+from attnlab.train import fit, make_module, make_trainer, prepare
+from test_train import read_metrics, write_recipe
+
+
+class Grads(Callback):
+    """The gradients as the optimizer used them (after normalisation and clipping), read at the end of each
+    optimizer step: Lightning zeroes them only at the next step's start."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.grads.append({n: p.grad.clone() for n, p in pl_module.model.named_parameters()})
+
+
+def one_step(exp, batches: list[dict], root, **overrides) -> tuple[Grads, dict[str, torch.Tensor], dict]:
+    """One optimizer step of a fresh module (the seed's initial weights) over `batches`: the gradients it used, the
+    weights after it and the metrics it logged."""
+    dm, exp = prepare(exp.replace(optim=exp.optim.replace(**overrides)))
+    module, grads = make_module(exp, dm), Grads()
+    trainer = make_trainer(exp, root, extra_callbacks=[grads], logger=False, max_steps=1, enable_progress_bar=False)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return grads, {n: p.detach().clone() for n, p in module.model.named_parameters()}, trainer.callback_metrics
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two translation batches as one: each tensor padded (with 0 = PAD) to the wider one, rows stacked."""
+    out = {}
+    for k in ("src", "tgt_in", "tgt_out"):
+        width = max(a[k].shape[1], b[k].shape[1])
+        out[k] = torch.cat([torch.nn.functional.pad(x[k], (0, width - x[k].shape[1])) for x in (a, b)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("options")
+    return write_recipe(root, model={"dropout": 0.0}, trainer={"val_every": 1000})
+
+
+def two_batches(recipe) -> tuple[object, list[dict]]:
+    exp = load_experiment(recipe)
+    dm, _ = prepare(exp)
+    loader = iter(dm.train_dataloader())
+    a = next(loader)
+    b = next(x for x in loader if int(x["tgt_out"].ne(0).sum()) != int(a["tgt_out"].ne(0).sum()))
+    return exp, [{k: a[k] for k in ("src", "tgt_in", "tgt_out")}, {k: b[k] for k in ("src", "tgt_in", "tgt_out")}]
+
+
+def test_accumulate_equals_one_step_on_the_joined_batch(recipe, tmp_path):
+    """optim.accumulate 2 over two batches of different token counts: the optimizer steps with the gradients of
+    one step on the two batches joined (a mean of the two batches' means would differ). The gradients are compared:
+    Adam's first update, g / (|g| + eps), turns float noise in a near-zero gradient into a full step."""
+    exp, (a, b) = two_batches(recipe)
+    n_a, n_b = (int(x["tgt_out"].ne(0).sum()) for x in (a, b))
+    acc, _, _ = one_step(exp, [a, b], tmp_path / "acc", accumulate=2)
+    one, _, _ = one_step(exp, [joined(a, b)], tmp_path / "one", accumulate=1)
+    assert len(acc.grads) == len(one.grads) == 1
+    for name, g in one.grads[0].items():
+        torch.testing.assert_close(acc.grads[0][name], g, rtol=1e-4, atol=1e-7, msg=name)
+    # per-batch means averaged would weight the batches' tokens 1/(2 n_a) and 1/(2 n_b) instead of 1/(n_a + n_b)
+    only_a, _, _ = one_step(exp, [a], tmp_path / "a")
+    only_b, _, _ = one_step(exp, [b], tmp_path / "b")
+    name = "decoder.layers.0.ffn.fc2.weight"
+    mean_of_means = (only_a.grads[0][name] + only_b.grads[0][name]) / 2
+    token_weighted = (n_a * only_a.grads[0][name] + n_b * only_b.grads[0][name]) / (n_a + n_b)
+    torch.testing.assert_close(acc.grads[0][name], token_weighted, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(acc.grads[0][name], mean_of_means, rtol=1e-3, atol=1e-6)
+
+
+def test_grad_clip_caps_the_norm_the_optimizer_sees(recipe, tmp_path):
+    """optim.grad_clip c: the logged train/grad_norm is the norm before clipping; the optimizer steps with the
+    gradients scaled down to norm c; without clipping it steps with the unclipped ones."""
+    exp, (a, _) = two_batches(recipe)
+    free, w_free, m_free = one_step(exp, [a], tmp_path / "free")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in free.grads[0].values()]))
+    assert float(m_free["train/grad_norm"]) == pytest.approx(float(norm), rel=1e-5)
+    c = float(norm) / 4
+    clipped, w_clipped, m_clipped = one_step(exp, [a], tmp_path / "clipped", grad_clip=c)
+    assert float(m_clipped["train/grad_norm"]) == pytest.approx(float(norm), rel=1e-5)  # logged before clipping
+    for name, g in free.grads[0].items():
+        torch.testing.assert_close(clipped.grads[0][name], g * (c / norm), rtol=1e-4, atol=1e-8, msg=name)
+    assert any(not torch.allclose(w_clipped[n], w_free[n]) for n in w_free)  # Adam's first step sees the difference
+
+
+def test_keep_checkpoints_keeps_the_newest_step_checkpoints(tmp_path):
+    recipe = write_recipe(tmp_path, trainer={"max_steps": 8, "ckpt_every": 2, "keep_checkpoints": 2,
+                                             "val_every": 1000})
+    run_dir = fit(load_experiment(recipe))
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
+    assert load_checkpoint(run_dir / "checkpoints" / "step=6.ckpt")["global_step"] == 6
+
+
+def test_max_time_min_stops_cleanly_with_checkpoints(tmp_path):
+    """trainer.max_time_min 0.05 (3 s) with a step budget it cannot reach: training stops on time, and the final
+    state is saved as a step checkpoint and last.ckpt."""
+    recipe = write_recipe(tmp_path, trainer={"max_steps": 100_000, "max_time_min": 0.05, "val_every": 100_000,
+                                             "ckpt_every": 100_000})
+    t0 = time.perf_counter()
+    run_dir = fit(load_experiment(recipe))
+    elapsed = time.perf_counter() - t0
+    steps = sorted(read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"])
+    last = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert 0 < len(steps) < 100_000 and last["global_step"] == len(steps)
+    assert (run_dir / "checkpoints" / f"step={len(steps)}.ckpt").exists()
+    assert 3.0 <= elapsed < 60.0
+
+
+@pytest.mark.slow
+def test_compile_gives_the_eager_losses(tmp_path):
+    """trainer.compile (each block through torch.compile, the default inductor backend, on the CPU): the same
+    per-step training losses as the eager run."""
+    losses, kinds = {}, {}
+
+    class Kind(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            kinds[compiled] = {type(b).__name__ for s in (pl_module.model.encoder, pl_module.model.decoder)
+                               for b in s.layers}
+
+    for compiled in (False, True):
+        recipe = write_recipe(tmp_path, name=f"c{int(compiled)}", model={"dropout": 0.0},
+                              trainer={"max_steps": 3, "val_every": 1000, "compile": compiled})
+        run_dir = fit(load_experiment(recipe), callbacks=[Kind()])
+        logged = read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"]
+        losses[compiled] = [v[0] for _, v in sorted(logged.items())]
+    assert kinds == {False: {"Block"}, True: {"OptimizedModule"}}
+    assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], rel=1e-5)
