@@ -35,7 +35,7 @@ from attnlab.launch.slurm import Resources, check_path, check_study_name, render
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
-from test_ablate_runner import GRID_4x2, fake_metric, write_study  # noqa: E402
+from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
 
 SRC = TESTS.parent / "src" / "attnlab"
 FAKE = "test_ablate_runner:fake_fit"
@@ -271,26 +271,6 @@ def read_logs(folder: Path) -> str:
 
 def job_of(jobs_file: Path) -> str:
     return json.loads(jobs_file.read_text().splitlines()[-1])["job"]
-
-
-def write_lm_recipe(tmp: Path, max_steps: int, ckpt_every: int = 10, val_every: int = 0) -> Path:
-    """A tiny decoder-only LM on a synthetic text file: a real fit that trains in seconds on a CPU."""
-    words = "the a small big red green house cat dog tree river city open close file save print".split()
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11))
-                              + f" {i}.\n\n" for i in range(2000)), encoding="utf-8")
-    recipe = tmp / "tiny_lm.yaml"
-    recipe.write_text(f"""\
-name: tiny_lm
-model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: 0.0,
-        norm_position: pre, position: rope}}
-data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.05,
-       test_fraction: 0.05, data_dir: {tmp / 'data_cache'}}}
-optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
-trainer: {{accelerator: cpu, max_steps: {max_steps}, val_every: {val_every or max_steps}, ckpt_every: {ckpt_every},
-          limit_val_batches: 2, log_every: 5, progress_bar: false, runs_dir: {tmp / 'runs'}}}
-""", encoding="utf-8")
-    return recipe
 
 
 # ---------------------------------------------------------------------------------------------- cluster tests
