@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
@@ -60,6 +61,23 @@ def make_module(exp: Experiment, dm=None):
     return LMModule(**kw)
 
 
+class RedoCutValidation(Callback):
+    """A checkpoint saved while a validation of fit runs (SIGTERM, an exception, SLURM's USR1) marks that
+    validation as cut inside its first batch, so a resume from it runs the whole validation again, at the same
+    step, before training on; otherwise Lightning resumes past it and that validation is never logged."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loops.get("epoch_loop.val_loop.batch_progress")
+        if not (trainer.state.fn == TrainerFn.FITTING and trainer.validating and not trainer.sanity_checking
+                and progress and not progress["is_last_batch"]):
+            return
+        before = progress["total"]["completed"] - progress["current"]["completed"]  # batches of earlier validations
+        # Lightning's "restarted mid-evaluation": a batch started, none finished; the loop reruns from the first
+        progress["total"] = {"ready": before + 1, "started": before + 1, "processed": before, "completed": before}
+        progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+
+
 def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback] | None = None,
                  **overrides: Any) -> L.Trainer:
     """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), CSV + TensorBoard logs.
@@ -91,7 +109,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         # that may be many steps later), and that step's checkpoint is never written.
         save_on_train_epoch_end=True,
     )
-    callbacks = [ckpt, *(extra_callbacks or [])]
+    callbacks = [ckpt, RedoCutValidation(), *(extra_callbacks or [])]
     if t.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, t.log_every // 5)))
     kwargs: dict[str, Any] = dict(
@@ -146,7 +164,8 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         callbacks: list[Callback] | None = None) -> Path:
     """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
     checkpoint). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then the process exits with
-    status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run."""
+    status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
+    the signal cut short is run again first: `RedoCutValidation`)."""
     dm, exp = prepare(exp)
     run_dir = exp.run_dir()
     resume = find_resume(run_dir, ckpt_path)
