@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +24,10 @@ from optuna.trial import TrialState
 from attnlab.ablate.report import plot, write_table
 from attnlab.ablate.runner import Options, run_study, trial_experiment, worker_command
 from attnlab.ablate.spec import load_spec
-from attnlab.ablate.study import connect, format_status, point_states, prepare_study
+from attnlab.ablate.study import OwnedLock, connect, format_status, point_states, prepare_study
 from attnlab.checkpoints import checkpoint_step
 from attnlab.cli import main
+from attnlab.leftovers import owner
 from attnlab.rundir import keep_metrics, run_metrics
 from attnlab.train import fit
 
@@ -262,6 +264,28 @@ def test_a_worker_killed_mid_fit_is_released_and_resumed_to_the_uninterrupted_lo
     assert done.value == full["val/loss"][-1][1]
 
 
+def test_a_lock_left_by_a_killed_process_is_broken_at_once_a_live_ones_only_after_its_grace(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = OwnedLock(tmp_path / "claim.lock", grace_s=1.5)
+        (tmp_path / "claim.lock").write_text(f"{socket.gethostname()}:{holder.pid}")  # held by a live process
+        t0 = time.monotonic()
+        lock.acquire()
+        assert time.monotonic() - t0 >= 1.5, "a live holder's lock is waited for, up to the grace period"
+        assert (tmp_path / "claim.lock").read_text() == owner()
+        lock.release()
+        assert not (tmp_path / "claim.lock").exists()
+        (tmp_path / "claim.lock").write_text(f"{socket.gethostname()}:{holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    t0 = time.monotonic()
+    lock.acquire()  # its holder is gone: broken at once
+    assert time.monotonic() - t0 < 1.0 and (tmp_path / "claim.lock").read_text() == owner()
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_invalid_combination_is_recorded_with_its_reason_not_a_crash(tmp_path):
     body = "axes:\n  model.attn_softcap: [0.0, 30.0]\n  model.attention_backend: [sdpa, eager]\n"
     spec = load_spec(write_study(tmp_path, body))  # not a load error: the value is valid with eager
@@ -343,6 +367,33 @@ def test_cli_run_status_table_plot(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert main(["ablate", "status", str(tmp_path / "nowhere")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_one_default_storage_and_submit_refuses_sqlite_saying_how_to_move_it(tmp_path, capsys):
+    """`run` and `submit` default to a journal file in the study directory; a study started on SQLite keeps it
+    (recorded in study.yaml), `submit` refuses it with the command that moves it, and `move` copies every trial."""
+    spec_path = write_study(tmp_path, GRID_4x2.replace("[1, 2]", "[1]"))
+    common = ["--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), "--dir", str(tmp_path / "default"), *common]) == 0
+    assert connect(load_spec(spec_path), tmp_path / "default").url == str(tmp_path / "default" / "journal.log")
+
+    study_dir = tmp_path / "study"
+    sqlite = f"sqlite:///{tmp_path / 'old.db'}"
+    assert main(["ablate", "run", str(spec_path), "--dir", str(study_dir), "--storage", sqlite, *common]) == 0
+    before = {t.user_attrs["point_id"]: t for t in connect(load_spec(spec_path), study_dir).study.get_trials()}
+    capsys.readouterr()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"kept in SQLite ({sqlite})" in err and f"ablate move {study_dir} --to {study_dir / 'journal.log'}" in err
+    assert main(["ablate", "move", str(study_dir), "--to", str(study_dir / "journal.log")]) == 0
+    h = connect(load_spec(spec_path), study_dir)
+    assert h.url == str(study_dir / "journal.log")
+    after = {t.user_attrs["point_id"]: t for t in h.study.get_trials()}
+    assert {k: (t.state, t.value, t.user_attrs) for k, t in after.items()} == \
+           {k: (t.state, t.value, t.user_attrs) for k, t in before.items()}
+    assert main(["ablate", "move", str(study_dir), "--to", str(study_dir / "journal.log")]) == 2  # already there
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--fit", FAKE]) == 0
+    assert "nothing to run" in capsys.readouterr().out
 
 
 def test_plot_from_stored_trials(tmp_path):

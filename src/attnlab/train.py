@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
 from .data.datamodule import LMDataModule, TranslationDataModule
 from .experiment import Experiment
+from .launch.requeue import RequeueOnUSR1
 from .lit import LMModule, Seq2SeqModule
 from .models.block import Block
 from .rundir import archive_previous, keep_metrics, write_run_dir
@@ -90,7 +91,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
     elif t.strategy == "ddp" and not gpu:
         strategy = DDPStrategy(process_group_backend="gloo")
-    devices, num_nodes, plugins = t.devices, t.num_nodes, [AtomicCheckpointIO()]
+    devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO()], []
     if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         # started by srun in a SLURM job (Lightning's own test): one process per device, as many as SLURM started
         num_nodes = int(os.environ.get("SLURM_NNODES", "1"))
@@ -99,7 +100,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         if (devices, num_nodes) != (t.devices, t.num_nodes):
             log.info("SLURM runs %d node(s) x %d task(s); trainer.devices=%d, trainer.num_nodes=%d give way",
                      num_nodes, devices, t.devices, t.num_nodes)
-        plugins.append(SLURMEnvironment(auto_requeue=True))  # on USR1: save hpc_ckpt_N.ckpt, `scontrol requeue`
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(RequeueOnUSR1(run_dir))  # on USR1: hpc_ckpt_N.ckpt at a step boundary, `scontrol requeue`
     ckpt = ModelCheckpoint(
         dirpath=run_dir / "checkpoints", filename="step={step}", auto_insert_metric_name=False,
         every_n_train_steps=t.ckpt_every, save_top_k=t.keep_checkpoints, monitor="step", mode="max",
@@ -109,7 +111,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         # that may be many steps later), and that step's checkpoint is never written.
         save_on_train_epoch_end=True,
     )
-    callbacks = [ckpt, RedoCutValidation(), *(extra_callbacks or [])]
+    callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
     if t.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, t.log_every // 5)))
     kwargs: dict[str, Any] = dict(

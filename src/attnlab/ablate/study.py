@@ -24,7 +24,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
 from ..config import ConfigError, load_yaml
-from ..leftovers import owner, owner_alive
+from ..leftovers import owner, owner_alive, stamped
 from .spec import AblationSpec, load_spec
 
 log = logging.getLogger("attnlab.ablate")
@@ -116,8 +116,11 @@ class OwnedLock:
                 continue
             try:
                 os.write(fd, owner().encode())
-            finally:
+            except BaseException:  # interrupted before it says whose it is: not left behind unnamed
                 os.close(fd)
+                os.unlink(self.path)
+                raise
+            os.close(fd)
             return True
 
     def _break(self, holder: str, why: str) -> None:
@@ -237,7 +240,9 @@ def move_study(h: StudyHandle, to: str) -> StudyHandle:
 def write_record(spec: AblationSpec, study_dir: Path, url: str) -> None:
     """study.yaml: the study's name, storage and ablation file, read by `status`, `table`, `submit` and workers."""
     info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
-    (study_dir / "study.yaml").write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    tmp = study_dir / stamped(".study.yaml", ".tmp")  # replaced in one rename: a killed worker leaves no half file
+    tmp.write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    os.replace(tmp, study_dir / "study.yaml")
 
 
 # ---------------------------------------------------------------------------------------------- state
