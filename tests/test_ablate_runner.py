@@ -50,8 +50,9 @@ def fake_metric(exp) -> float:
 
 
 def fake_fit(exp, ckpt_path=None):
-    """A stand-in for attnlab.train.fit. FAKE_SLEEP seconds of 'training'; dropout 0.3 always raises;
-    dropout 0.2 raises on its first attempt only."""
+    """A stand-in for attnlab.train.fit. FAKE_SLEEP seconds of 'training' (after waiting, with FAKE_TOGETHER=n,
+    until n worker processes have started a fit); dropout 0.3 always raises; dropout 0.2 raises on its first
+    attempt only."""
     run_dir = exp.run_dir()
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     calls = Path(exp.trainer.runs_dir).parent / "calls.jsonl"
@@ -60,6 +61,9 @@ def fake_fit(exp, ckpt_path=None):
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
                             "ckpt_path": ckpt_path, "start": start}) + "\n")
     (run_dir / "checkpoints" / "last.ckpt").write_text("fake", encoding="utf-8")
+    together = int(os.environ.get("FAKE_TOGETHER", "0"))  # wait until this many workers are inside a fit
+    while len({c["pid"] for c in read_calls(calls.parent)[0]}) < together and time.time() - start < 120:
+        time.sleep(0.05)
     if exp.model.dropout == 0.3:
         raise RuntimeError("boom: dropout 0.3 always fails")
     if exp.model.dropout == 0.2 and not (run_dir / "flaked").exists():
