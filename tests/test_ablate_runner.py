@@ -60,7 +60,7 @@ def fake_fit(exp, ckpt_path=None):
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
                             "ckpt_path": ckpt_path, "start": start}) + "\n")
-    (run_dir / "checkpoints" / "last.ckpt").write_text("fake", encoding="utf-8")
+    torch.save({"global_step": 0}, run_dir / "checkpoints" / "last.ckpt")  # a checkpoint that loads
     together = int(os.environ.get("FAKE_TOGETHER", "0"))  # wait until this many workers are inside a fit
     while len({c["pid"] for c in read_calls(calls.parent)[0]}) < together and time.time() - start < 120:
         time.sleep(0.05)
@@ -234,10 +234,16 @@ def test_a_worker_killed_mid_fit_is_released_and_resumed_to_the_uninterrupted_lo
     h = prepare_study(spec, study_dir)
     run_dir = trial_experiment(spec, study_dir, {}, 1).run_dir()
     victim = subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts))
+    metrics = run_dir / "logs" / "metrics.csv"
+
+    def logged() -> int:  # the last step with a train/loss row written (Lightning logs a step after its checkpoint)
+        rows = list(csv.DictReader(open(metrics, encoding="utf-8"))) if metrics.is_file() else []
+        return max([int(r["step"]) for r in rows if r.get("train/loss") and (r.get("step") or "").isdigit()],
+                   default=-1)
+
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and victim.poll() is None and not (run_dir / "checkpoints" / "step=30.ckpt"
-                                                                        ).exists():
+        while time.time() < deadline and victim.poll() is None and logged() < 30:
             time.sleep(0.02)
     finally:
         victim.send_signal(signal.SIGKILL)

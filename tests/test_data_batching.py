@@ -61,15 +61,16 @@ def test_atomic_dir_leaves_nothing_on_error_and_manifest_checks(tmp_path):
 
 
 BUILD = """
-import sys, time
+import pathlib, sys, time
 from attnlab.data.batching import atomic_dir
-with atomic_dir(Path(sys.argv[1])) as tmp:
+with atomic_dir(pathlib.Path(sys.argv[1])) as tmp:
     (tmp / "tokens.bin").write_bytes(bytes(1000))
     print("building", flush=True)
     time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_a_folder_the_next_build_removes_but_never_a_running_ones(tmp_path):
     """Two builds in other processes: one SIGKILLed (its `.tmp-*` folder stays behind), one still building. The
     next build beside them removes the killed one's folder only; a folder of another host is left alone too."""
