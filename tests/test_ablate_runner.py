@@ -22,7 +22,7 @@ import torch
 from optuna.trial import TrialState
 
 from attnlab.ablate.report import plot, write_table
-from attnlab.ablate.runner import Options, run_study, trial_experiment, worker_command
+from attnlab.ablate.runner import Options, _create_running, claim_next, run_study, trial_experiment, worker_command
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import OwnedLock, connect, format_status, point_states, prepare_study
 from attnlab.checkpoints import checkpoint_step
@@ -272,6 +272,26 @@ def test_a_worker_killed_mid_fit_is_released_and_resumed_to_the_uninterrupted_lo
     for col in ("train/loss", "train/grad_norm", "val/loss"):
         assert resumed[col] == full[col], col
     assert done.value == full["val/loss"][-1][1]
+
+
+def test_a_trial_of_another_hosts_worker_is_released_only_after_the_grace_period(tmp_path):
+    """Whether a worker on another host lives cannot be seen from here: its trial is lost once its heartbeat is
+    older than grace_s, and not before (a trial of this host's dead process is released at once)."""
+    spec = load_spec(write_study(tmp_path, GRID_4x2.replace("[1, 2]", "[1]")))
+    h = prepare_study(spec, tmp_path / "study")
+    p0, p1, p2 = spec.points()[:3]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for p, worker, age in ((p0, "node-17:4242", 100), (p1, "node-18:4242", 0), (p2, owner().split(":")[0] +
+                                                                              f":{dead.pid}", 0)):
+        _create_running(h, {"point_id": p.point_id, "variant": p.variant.name, "seed": p.seed, "worker": worker,
+                            "heartbeat": time.time() - age})
+    claim, busy = claim_next(h, grace_s=30)
+    states = point_states(h, grace_s=30)
+    assert [t.user_attrs.get("lost_at") is not None for t in h.study.get_trials() if t.number < 3] == \
+           [True, False, True], "stale heartbeat: lost; fresh one of another host: running; this host's dead: lost"
+    assert states[p1.point_id].status == "running" and busy
+    assert claim is not None and claim.point_id == p0.point_id  # the first pending point again
 
 
 def test_a_lock_left_by_a_killed_process_is_broken_at_once_a_live_ones_only_after_its_grace(tmp_path):

@@ -221,7 +221,7 @@ axes:
   model.ffn: [gelu, swiglu]
   model.norm_position: [pre, post, sandwich]
 """
-STORM_S = float(os.environ.get("ATTNLAB_STORM_S", "25"))  # how long the killer kills, per storage
+STORM_S = float(os.environ.get("ATTNLAB_STORM_S", "20"))  # how long the killer kills, per storage
 FIT_S = 1.5  # how long one fake fit takes
 
 
