@@ -298,7 +298,7 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
             log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
             return INVALID
         run_dir = exp.run_dir()
-        ckpt = latest_checkpoint(run_dir)  # last.ckpt, or a newer hpc_ckpt_N.ckpt saved on SLURM's USR1
+        ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
         resume = ckpt is not None
         for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
                      "resumed_from": str(ckpt) if ckpt else None}.items():
