@@ -1,5 +1,5 @@
-"""The ablation runner's mechanics with a fake, instant `fit`: exactly-once points with several workers,
-a worker killed mid-trial, invalid combinations, retries, resume, tables and plots from stored trials.
+"""The ablation runner's mechanics with a fake, instant `fit`: exactly-once points with several workers, invalid
+combinations, retries, resume, tables and plots from stored trials; and a worker killed mid-trial of a real fit.
 
 `fake_fit` has train.fit's signature and writes what a real run writes (metrics.csv, config.yaml, a
 last.ckpt); worker processes import it as test_ablate_runner:fake_fit (this folder is on their PYTHONPATH).
@@ -12,21 +12,34 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from attnlab.ablate.report import plot, write_table
-from attnlab.ablate.runner import Options, gpu_slices, run_study, worker_command
+from attnlab.ablate.runner import (
+    Options,
+    _create_running,
+    claim_next,
+    gpu_slices,
+    run_study,
+    trial_experiment,
+    worker_command,
+)
 from attnlab.ablate.spec import load_spec
-from attnlab.ablate.study import connect, format_status, point_states, prepare_study
+from attnlab.ablate.study import OwnedLock, connect, format_status, point_states, prepare_study
+from attnlab.checkpoints import checkpoint_step
 from attnlab.cli import main
 from attnlab.config import ConfigError
+from attnlab.leftovers import owner
 from attnlab.rundir import keep_metrics, run_metrics
+from attnlab.train import fit
 
 TESTS = Path(__file__).resolve().parent
 FAKE = "test_ablate_runner:fake_fit"
@@ -47,8 +60,9 @@ def fake_metric(exp) -> float:
 
 
 def fake_fit(exp, ckpt_path=None):
-    """A stand-in for attnlab.train.fit. FAKE_SLEEP seconds of 'training'; dropout 0.3 always raises;
-    dropout 0.2 raises on its first attempt only."""
+    """A stand-in for attnlab.train.fit. FAKE_SLEEP seconds of 'training' (after waiting, with FAKE_TOGETHER=n,
+    until n worker processes have started a fit); dropout 0.3 always raises; dropout 0.2 raises on its first
+    attempt only."""
     run_dir = exp.run_dir()
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     calls = Path(exp.trainer.runs_dir).parent / "calls.jsonl"
@@ -57,7 +71,10 @@ def fake_fit(exp, ckpt_path=None):
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
                             "ckpt_path": ckpt_path, "start": start,
                             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
-    (run_dir / "checkpoints" / "last.ckpt").write_text("fake", encoding="utf-8")
+    torch.save({"global_step": 0}, run_dir / "checkpoints" / "last.ckpt")  # a checkpoint that loads
+    together = int(os.environ.get("FAKE_TOGETHER", "0"))  # wait until this many workers are inside a fit
+    while len({c["pid"] for c in read_calls(calls.parent)[0]}) < together and time.time() - start < 120:
+        time.sleep(0.05)
     if exp.model.dropout == 0.3:
         raise RuntimeError("boom: dropout 0.3 always fails")
     if exp.model.dropout == 0.2 and not (run_dir / "flaked").exists():
@@ -191,41 +208,125 @@ def test_two_workers_started_at_once_never_run_the_same_point(tmp_path, worker_e
         assert len(real) == 1 and real[0].state == TrialState.COMPLETE
 
 
+def write_lm_recipe(tmp: Path, max_steps: int, ckpt_every: int = 10, val_every: int = 0, log_every: int = 5,
+                    dropout: float = 0.0) -> Path:
+    """A tiny decoder-only LM on a synthetic text file: a real fit that trains in seconds on a CPU."""
+    words = "the a small big red green house cat dog tree river city open close file save print".split()
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11))
+                              + f" {i}.\n\n" for i in range(2000)), encoding="utf-8")
+    recipe = tmp / "tiny_lm.yaml"
+    recipe.write_text(f"""\
+name: tiny_lm
+model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: {dropout},
+        norm_position: pre, position: rope}}
+data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.05,
+       test_fraction: 0.05, data_dir: {tmp / 'data_cache'}}}
+optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
+trainer: {{accelerator: cpu, max_steps: {max_steps}, val_every: {val_every or max_steps}, ckpt_every: {ckpt_every},
+          limit_val_batches: 2, log_every: {log_every}, progress_bar: false, runs_dir: {tmp / 'runs'}}}
+""", encoding="utf-8")
+    return recipe
+
+
 @pytest.mark.slow
-def test_a_worker_killed_mid_trial_is_detected_and_its_point_resumed(tmp_path, worker_env, monkeypatch):
-    spec = load_spec(write_study(tmp_path, GRID_4x2))
+def test_a_worker_killed_mid_fit_is_released_and_resumed_to_the_uninterrupted_losses(tmp_path, monkeypatch):
+    """A worker running a real fit is SIGKILLed mid-trial; a crash also left its newest checkpoint cut short. The
+    next worker releases the point at once (its worker was a process of this host that is gone, long before the
+    grace period), resumes it from the newest checkpoint that loads, and the trial's per-step losses (dropout
+    on, so the RNG state and the data position matter) equal an uninterrupted run's."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    steps = 150
+    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, log_every=1, dropout=0.1)
+    spec_path = tmp_path / "killed.yaml"
+    spec_path.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
+                         "variants:\n  - {name: base}\n", encoding="utf-8")
+    spec = load_spec(spec_path)
     study_dir = tmp_path / "study"
+    opts = Options(heartbeat_s=1, grace_s=600, poll_s=0.2)  # the real fit (attnlab.train:fit)
     h = prepare_study(spec, study_dir)
-    env = {**os.environ, "FAKE_SLEEP": "120"}  # this worker hangs in its first trial
-    victim = subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, FAST), env=env)
+    run_dir = trial_experiment(spec, study_dir, {}, 1).run_dir()
+    victim = subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts))
+    metrics = run_dir / "logs" / "metrics.csv"
+
+    def logged() -> int:  # the last step with a train/loss row written (Lightning logs a step after its checkpoint)
+        rows = list(csv.DictReader(open(metrics, encoding="utf-8"))) if metrics.is_file() else []
+        return max([int(r["step"]) for r in rows if r.get("train/loss") and (r.get("step") or "").isdigit()],
+                   default=-1)
+
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not read_calls(study_dir)[0]:
-            time.sleep(0.1)
-        assert read_calls(study_dir)[0], "the worker never started a trial"
-        running = h.study.get_trials(states=(TrialState.RUNNING,))
-        assert len(running) == 1
-        killed_point = running[0].user_attrs["point_id"]
+        deadline = time.time() + 240
+        while time.time() < deadline and victim.poll() is None and logged() < 30:
+            time.sleep(0.02)
     finally:
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-    assert "running" in format_status(connect(spec, study_dir), grace_s=2)
+    assert victim.returncode == -signal.SIGKILL, "the worker ended before it could be killed"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    killed_at = torch.load(last, weights_only=True)["global_step"]
+    assert 20 <= killed_at < steps
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # what a crash of the machine may leave
+    newest = max((run_dir / "checkpoints").glob("step=*.ckpt"), key=checkpoint_step)
+    assert checkpoint_step(newest) >= killed_at
+    assert "stale" in format_status(connect(spec, study_dir))
 
     t0 = time.time()
-    counts = run_study(spec, study_dir, workers=1, opts=FAST, fit=fake_fit)  # the same study, run again
-    assert counts == {"done": 8}
-    assert time.time() - t0 < 30
-    by_point = trials_by_point(study_dir, spec)
-    for pid, ts in by_point.items():
-        assert [t.state for t in ts].count(TrialState.COMPLETE) == 1, "exactly one result per point"
-        if pid != killed_point:
-            assert len(ts) == 1
-    lost, done = by_point[killed_point]
-    assert lost.state == TrialState.FAIL and "lost_at" in lost.user_attrs and "status" not in lost.user_attrs
-    assert done.user_attrs["resumed"] is True and done.user_attrs["attempt"] == 2
-    starts, ends = read_calls(study_dir)
-    assert len(starts) == 9 and len(ends) == 8
-    assert [c["ckpt_path"] for c in starts].count("last") == 1
+    assert run_study(spec, study_dir, workers=1, opts=opts) == {"done": 1}  # another worker, the real fit
+    (lost, done) = trials_by_point(study_dir, spec)[spec.points()[0].point_id]
+    assert lost.state == TrialState.FAIL and "lost_at" in lost.user_attrs
+    assert lost.user_attrs["lost_at"] - t0 < 30, "released at once, not after the grace period"
+    assert done.state == TrialState.COMPLETE and done.user_attrs["resumed"] is True
+    resumed_from = Path(done.user_attrs["resumed_from"])
+    assert resumed_from == newest, "the newest checkpoint that loads (last.ckpt does not)"
+
+    reference = fit(trial_experiment(spec, tmp_path / "reference", {}, 1))  # the same trial, uninterrupted
+    full, resumed = run_metrics(reference), run_metrics(run_dir)
+    assert [s for s, _ in resumed["train/loss"]] == list(range(steps))
+    for col in ("train/loss", "train/grad_norm", "val/loss"):
+        assert resumed[col] == full[col], col
+    assert done.value == full["val/loss"][-1][1]
+
+
+def test_a_trial_of_another_hosts_worker_is_released_only_after_the_grace_period(tmp_path):
+    """Whether a worker on another host lives cannot be seen from here: its trial is lost once its heartbeat is
+    older than grace_s, and not before (a trial of this host's dead process is released at once)."""
+    spec = load_spec(write_study(tmp_path, GRID_4x2.replace("[1, 2]", "[1]")))
+    h = prepare_study(spec, tmp_path / "study")
+    p0, p1, p2 = spec.points()[:3]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for p, worker, age in ((p0, "node-17:4242", 100), (p1, "node-18:4242", 0), (p2, owner().split(":")[0] +
+                                                                              f":{dead.pid}", 0)):
+        _create_running(h, {"point_id": p.point_id, "variant": p.variant.name, "seed": p.seed, "worker": worker,
+                            "heartbeat": time.time() - age})
+    claim, busy = claim_next(h, grace_s=30)
+    states = point_states(h, grace_s=30)
+    assert [t.user_attrs.get("lost_at") is not None for t in h.study.get_trials() if t.number < 3] == \
+           [True, False, True], "stale heartbeat: lost; fresh one of another host: running; this host's dead: lost"
+    assert states[p1.point_id].status == "running" and busy
+    assert claim is not None and claim.point_id == p0.point_id  # the first pending point again
+
+
+def test_a_lock_left_by_a_killed_process_is_broken_at_once_a_live_ones_only_after_its_grace(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = OwnedLock(tmp_path / "claim.lock", grace_s=1.5)
+        (tmp_path / "claim.lock").write_text(f"{socket.gethostname()}:{holder.pid}")  # held by a live process
+        t0 = time.monotonic()
+        lock.acquire()
+        assert time.monotonic() - t0 >= 1.5, "a live holder's lock is waited for, up to the grace period"
+        assert (tmp_path / "claim.lock").read_text() == owner()
+        lock.release()
+        assert not (tmp_path / "claim.lock").exists()
+        (tmp_path / "claim.lock").write_text(f"{socket.gethostname()}:{holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    t0 = time.monotonic()
+    lock.acquire()  # its holder is gone: broken at once
+    assert time.monotonic() - t0 < 1.0 and (tmp_path / "claim.lock").read_text() == owner()
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_invalid_combination_is_recorded_with_its_reason_not_a_crash(tmp_path):
@@ -309,6 +410,33 @@ def test_cli_run_status_table_plot(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert main(["ablate", "status", str(tmp_path / "nowhere")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_one_default_storage_and_submit_refuses_sqlite_saying_how_to_move_it(tmp_path, capsys):
+    """`run` and `submit` default to a journal file in the study directory; a study started on SQLite keeps it
+    (recorded in study.yaml), `submit` refuses it with the command that moves it, and `move` copies every trial."""
+    spec_path = write_study(tmp_path, GRID_4x2.replace("[1, 2]", "[1]"))
+    common = ["--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), "--dir", str(tmp_path / "default"), *common]) == 0
+    assert connect(load_spec(spec_path), tmp_path / "default").url == str(tmp_path / "default" / "journal.log")
+
+    study_dir = tmp_path / "study"
+    sqlite = f"sqlite:///{tmp_path / 'old.db'}"
+    assert main(["ablate", "run", str(spec_path), "--dir", str(study_dir), "--storage", sqlite, *common]) == 0
+    before = {t.user_attrs["point_id"]: t for t in connect(load_spec(spec_path), study_dir).study.get_trials()}
+    capsys.readouterr()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"kept in SQLite ({sqlite})" in err and f"ablate move {study_dir} --to {study_dir / 'journal.log'}" in err
+    assert main(["ablate", "move", str(study_dir), "--to", str(study_dir / "journal.log")]) == 0
+    h = connect(load_spec(spec_path), study_dir)
+    assert h.url == str(study_dir / "journal.log")
+    after = {t.user_attrs["point_id"]: t for t in h.study.get_trials()}
+    assert {k: (t.state, t.value, t.user_attrs) for k, t in after.items()} == \
+           {k: (t.state, t.value, t.user_attrs) for k, t in before.items()}
+    assert main(["ablate", "move", str(study_dir), "--to", str(study_dir / "journal.log")]) == 2  # already there
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--fit", FAKE]) == 0
+    assert "nothing to run" in capsys.readouterr().out
 
 
 def test_plot_from_stored_trials(tmp_path, monkeypatch):

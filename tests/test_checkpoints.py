@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from attnlab.checkpoints import (
     last_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    save_atomic,
     v1_norm_key,
 )
 from attnlab.evaluate import load_module
@@ -107,6 +112,64 @@ def test_latest_checkpoint_is_the_newest_of_last_and_hpc(tmp_path):
     assert checkpoint_step(hpc) == 9
     (tmp_path / "broken.ckpt").write_bytes(b"not a zip")
     assert checkpoint_step(tmp_path / "broken.ckpt").startswith("unknown (")
+
+
+SAVER = """
+import sys, torch
+from pathlib import Path
+from attnlab.checkpoints import save_atomic
+folder, atomic = Path(sys.argv[1]), sys.argv[2] == "atomic"
+save = save_atomic if atomic else torch.save
+small = {"global_step": 10, "state_dict": {"w": torch.zeros(4)}}
+save(small, folder / "step=10.ckpt")
+save(small, folder / "last.ckpt")
+big = {"global_step": 20, "state_dict": {"w": torch.randn(48, 1 << 20)}}  # 192 MB: long enough to kill mid-write
+print("saved", flush=True)
+while True:
+    save(big, folder / "last.ckpt")
+"""
+
+
+def kill_mid_save(folder: Path, atomic: bool) -> None:
+    """Run SAVER, SIGKILL it while it writes the large checkpoint (its temporary file, or last.ckpt itself, is
+    partly written)."""
+    folder.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(folder), "atomic" if atomic else "plain"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "saved\n"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            writing = list(folder.glob(".last.ckpt@*.tmp")) if atomic else [folder / "last.ckpt"]
+            sizes = [p.stat().st_size for p in writing if p.exists()]
+            if sizes and 1 << 20 < max(sizes) < 150 << 20:
+                break
+        else:
+            raise AssertionError("never saw the large checkpoint being written")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_killed_with_sigkill_leaves_one_that_loads(tmp_path):
+    """A real kill mid-save: with save_atomic, last.ckpt is the previous checkpoint, whole, and the next save beside
+    it removes the dead writer's temporary file; a plain torch.save leaves last.ckpt cut short, which the next
+    attempt skips for the newest checkpoint that loads."""
+    run = tmp_path / "atomic"
+    kill_mid_save(run / "checkpoints", atomic=True)
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] in (10, 20)  # the old one, or the new one whole
+    assert latest_checkpoint(run) == last
+    (orphan,) = (run / "checkpoints").glob(".last.ckpt@*.tmp")
+    save_atomic({"global_step": 30}, run / "checkpoints" / "step=30.ckpt")
+    assert not orphan.exists(), "the dead writer's temporary file is removed by the next save"
+
+    run = tmp_path / "plain"
+    kill_mid_save(run / "checkpoints", atomic=False)
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert latest_checkpoint(run) == run / "checkpoints" / "step=10.ckpt"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -55,6 +58,46 @@ def test_atomic_dir_leaves_nothing_on_error_and_manifest_checks(tmp_path):
     assert cache_is_valid(final, {"k": (1, 2)}) and not cache_is_valid(final, {"k": (1, 3)})
     (final / "a.bin").write_bytes(b"12")  # a truncated file is caught by the recorded sizes
     assert not cache_is_valid(final, {"k": (1, 2)})
+
+
+BUILD = """
+import pathlib, sys, time
+from attnlab.data.batching import atomic_dir
+with atomic_dir(pathlib.Path(sys.argv[1])) as tmp:
+    (tmp / "tokens.bin").write_bytes(bytes(1000))
+    print("building", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_build_leaves_a_folder_the_next_build_removes_but_never_a_running_ones(tmp_path):
+    """Two builds in other processes: one SIGKILLed (its `.tmp-*` folder stays behind), one still building. The
+    next build beside them removes the killed one's folder only; a folder of another host is left alone too."""
+    builds = {name: subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path / name)], stdout=subprocess.PIPE,
+                                     text=True) for name in ("killed", "running")}
+    try:
+        for p in builds.values():
+            assert p.stdout.readline() == "building\n"
+        builds["killed"].send_signal(signal.SIGKILL)
+        builds["killed"].wait()
+        left = {p.name.split("@")[0]: p for p in tmp_path.glob(".tmp-*")}
+        assert set(left) == {".tmp-killed", ".tmp-running"}
+        assert left[".tmp-killed"].name.split("@")[1].endswith(f":{builds['killed'].pid}")  # named by its owner
+        elsewhere = tmp_path / ".tmp-other@another-host:1@0123abcd"
+        elsewhere.mkdir()
+        with atomic_dir(tmp_path / "next") as tmp:
+            (tmp / "tokens.bin").write_bytes(b"1")
+        assert not left[".tmp-killed"].exists(), "a killed build's folder is removed by the next build"
+        assert left[".tmp-running"].is_dir() and elsewhere.is_dir(), "a running build (or another host's) is kept"
+        assert (tmp_path / "next" / "tokens.bin").is_file()
+        builds["running"].send_signal(signal.SIGINT)  # interrupted, not killed: it removes its own folder
+        assert builds["running"].wait(timeout=30) != 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other@another-host:1@0123abcd", "next"]
+    finally:
+        for p in builds.values():
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize("max_tokens", [300, 1000, 4096])

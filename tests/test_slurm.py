@@ -32,10 +32,11 @@ from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect
 from attnlab.cli import main
 from attnlab.launch.slurm import Resources, check_path, check_study_name, render, time_seconds
+from attnlab.rundir import run_metrics
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
-from test_ablate_runner import GRID_4x2, fake_metric, write_study  # noqa: E402
+from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
 
 SRC = TESTS.parent / "src" / "attnlab"
 FAKE = "test_ablate_runner:fake_fit"
@@ -273,26 +274,6 @@ def job_of(jobs_file: Path) -> str:
     return json.loads(jobs_file.read_text().splitlines()[-1])["job"]
 
 
-def write_lm_recipe(tmp: Path, max_steps: int, ckpt_every: int = 10, val_every: int = 0) -> Path:
-    """A tiny decoder-only LM on a synthetic text file: a real fit that trains in seconds on a CPU."""
-    words = "the a small big red green house cat dog tree river city open close file save print".split()
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11))
-                              + f" {i}.\n\n" for i in range(2000)), encoding="utf-8")
-    recipe = tmp / "tiny_lm.yaml"
-    recipe.write_text(f"""\
-name: tiny_lm
-model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: 0.0,
-        norm_position: pre, position: rope}}
-data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.05,
-       test_fraction: 0.05, data_dir: {tmp / 'data_cache'}}}
-optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
-trainer: {{accelerator: cpu, max_steps: {max_steps}, val_every: {val_every or max_steps}, ckpt_every: {ckpt_every},
-          limit_val_batches: 2, log_every: 5, progress_bar: false, runs_dir: {tmp / 'runs'}}}
-""", encoding="utf-8")
-    return recipe
-
-
 # ---------------------------------------------------------------------------------------------- cluster tests
 @pytest.mark.slow
 def test_a_grid_runs_as_an_array_of_two_workers_and_its_table_is_right(slurm_cluster, tmp_path, monkeypatch, capsys):
@@ -419,3 +400,56 @@ def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoi
     # the second attempt logged from the resumed step on, not from step 0
     rows = list(csv.DictReader(open(run_dir / "logs" / "metrics.csv", encoding="utf-8")))
     assert min(int(float(r["step"])) for r in rows if r["step"]) >= resumed[0]
+
+
+def test_usr1_requeues_a_two_task_ddp_trial_and_both_ranks_resume_to_the_uninterrupted_losses(slurm_cluster,
+                                                                                              tmp_path, monkeypatch):
+    """A trial of 2 DDP tasks (gloo) in one srun step gets USR1 mid-trial: both ranks stop at one step boundary and
+    save there, the job is requeued, and when it runs again both ranks resume from the same checkpoint; every
+    per-step loss of the trial then equals that of the same trial run without interruption (2 local DDP ranks)."""
+    monkeypatch.chdir(tmp_path)
+    steps = 120
+    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=60, log_every=1)
+    spec_path = tmp_path / "ddp.yaml"
+    spec_path.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
+                         "overrides: {trainer.devices: 2}\nvariants:\n  - {name: ddp}\n", encoding="utf-8")
+    study_dir = tmp_path / "study"
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--workers", "1", "--heartbeat", "2",
+                 "--grace", "60", "--poll", "1"]) == 0
+    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    spec = load_spec(spec_path)
+    exp = spec.experiment(spec.points()[0].variant.overrides, 1)
+    run_dir = study_dir / "runs" / f"{exp.name}-{exp.config_hash()}"
+    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), 150, "the trial never reached step 20\n"
+             f"{read_logs(logs)}", slurm_cluster.dir)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
+             f"{read_logs(logs)}", slurm_cluster.dir)
+    # while SLURM holds the requeued job: the same trial, uninterrupted, as 2 local DDP processes
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref = subprocess.run([sys.executable, "-m", "attnlab.cli", "fit", "-c", str(run_dir / "trial.yaml"),
+                          "--trainer.run_name", "reference", "--trainer.strategy", "ddp"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    assert slurm_cluster.wait(job, 240, logs) == {job: "COMPLETED"}, read_logs(logs)
+
+    log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.rglob("*.log")))  # whole, both runs
+    assert (run_dir / "hpc_ckpt_1.ckpt").is_file(), log
+    starts = re.findall(r"\[attnlab task (\d)/2\] .*?; (from step 0|resuming from (\S+) \(global step (\d+)\))", log)
+    assert sorted(r for r, what, _, _ in starts if what == "from step 0") == ["0", "1"], log
+    resumed = {r: (path, int(step)) for r, what, path, step in starts if what != "from step 0"}
+    assert set(resumed) == {"0", "1"} and resumed["0"] == resumed["1"], f"the ranks resumed differently: {resumed}"
+    path, step = resumed["0"]
+    assert 20 <= step < steps and Path(path).parent in (run_dir, run_dir / "checkpoints"), resumed
+    assert "Starting with 2 processes" in log and "distributed_backend=gloo" in log
+
+    h = connect(spec, study_dir, str(study_dir / "journal.log"))
+    interrupted, done = sorted(h.study.get_trials(), key=lambda t: t.number)
+    assert interrupted.user_attrs["status"] == "interrupted" and done.state == TrialState.COMPLETE
+    assert done.user_attrs["resumed"] is True and done.user_attrs["slurm_restart"] == 1
+    trial, full = run_metrics(run_dir), run_metrics(study_dir / "runs" / "reference")
+    assert [s for s, _ in trial["train/loss"]] == list(range(steps))
+    for col in ("train/loss", "train/grad_norm", "val/loss"):
+        assert trial[col] == full[col], col

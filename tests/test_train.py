@@ -20,6 +20,7 @@ import sacrebleu
 import torch
 import torch.nn.functional as F
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from attnlab.checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
 from attnlab.config import ConfigError
@@ -355,12 +356,45 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     cut = read_run(cut_dir)
     assert sorted(cut["train/loss"]) == list(range(steps))  # one history: the first attempt + the resumed one
     assert train_rows(cut) == train_rows(full)
-    for col in ("val/loss", "val/bleu"):  # a validation cut short by the signal is not logged; the rest match
-        assert {s: v for s, v in cut[col].items()} == {s: full[col][s] for s in cut[col]}
-        assert set(full[col]) - set(cut[col]) <= {stopped - 1}
+    for col in ("val/loss", "val/bleu"):  # a validation cut short by the signal is run again on resume
+        assert cut[col] == full[col], col
     a = load_checkpoint(full_dir / "checkpoints" / "last.ckpt")["state_dict"]
     b = load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+class _SigtermInValidation(Callback):
+    """Sends this process SIGTERM inside the first batch of the validation after `step` steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.global_step == self.step and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_validation_redoes_that_validation_on_resume(tmp_path):
+    """SIGTERM in the middle of a validation: the state is saved and fit exits 143 without logging it; the resumed
+    fit runs that validation again, at its step, and every value logged equals the uninterrupted run's."""
+    recipe = write_recipe(tmp_path, data={"max_tokens": 256}, trainer={"max_steps": 12, "val_every": 4,
+                                                                        "ckpt_every": 1000})
+    dm, _ = prepare(load_experiment(recipe))
+    assert len(dm.val_dataloader()) >= 2, "the signal must land before the validation's last batch"
+    full_dir = fit(load_experiment(recipe, {"trainer.run_name": "full"}))
+    with pytest.raises(SystemExit) as e:
+        fit(load_experiment(recipe, {"trainer.run_name": "cut"}), callbacks=[_SigtermInValidation(8)])
+    assert e.value.code == 128 + signal.SIGTERM
+    cut_dir = tmp_path / "runs" / "cut"
+    assert load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")["global_step"] == 8
+    assert sorted(read_metrics(cut_dir / "logs" / "metrics.csv")["val/loss"]) == [3], "the cut validation is not logged"
+
+    fit(load_experiment(recipe, {"trainer.run_name": "cut"}), ckpt_path="last")
+    cut, full = read_run(cut_dir), read_run(full_dir)
+    assert sorted(cut["val/loss"]) == [3, 7, 11]
+    for col in ("val/loss", "val/ppl", "val/bleu", "val/chrf"):
+        assert cut[col] == full[col], col
+    assert train_rows(cut) == train_rows(full)
 
 
 # --------------------------------------------------------------------------------------------- checkpoint files

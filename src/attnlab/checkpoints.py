@@ -13,9 +13,9 @@ before `attnlab_format` existed (layout 1) are migrated when loaded, by `load_ch
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,9 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .config import ConfigError, ModelConfig
+from .leftovers import remove_orphans, stamped
 
+log = logging.getLogger("attnlab")
 FORMAT = 2  # the layout this code writes (see the module docstring for what changed from 1)
 DATAMODULE_KEYS = ("TranslationDataModule", "LMDataModule")  # where Lightning keeps each datamodule's state
 
@@ -32,10 +34,12 @@ DATAMODULE_KEYS = ("TranslationDataModule", "LMDataModule")  # where Lightning k
 # ---------------------------------------------------------------------------------------------- saving
 def save_atomic(obj: Any, path: str | Path) -> None:
     """torch.save to a temporary file beside `path`, fsync, then os.replace: readers see the old file or the
-    new one, never half of one; a kill while saving leaves the previous checkpoint intact."""
+    new one, never half of one; a kill while saving leaves the previous checkpoint intact, and its temporary
+    file (named by its owner) is removed by the next save beside it once that process is gone."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    remove_orphans(path.parent, ".*@*@*.tmp")
+    tmp = path.with_name(stamped(f".{path.name}", ".tmp"))
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -228,12 +232,28 @@ def last_checkpoints(directory: str | Path, n: int) -> list[Path]:
     return ordered[-n:]
 
 
+def loads(path: str | Path) -> bool:
+    """Whether a checkpoint file can be read (its archive is whole and unpickles weights-only): a file cut short
+    by a crash of the machine, or one written by a tool that does not write atomically, is not."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return True
+    except Exception:
+        return False
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """What a run resumes from: the newest of checkpoints/last.ckpt and Lightning's hpc_ckpt_N.ckpt (saved on
-    SLURM's requeue signal), or None."""
+    """What a run resumes from: the newest that loads of checkpoints/last.ckpt, Lightning's hpc_ckpt_N.ckpt
+    (saved on SLURM's requeue signal) and the step checkpoints (checkpoints/step=N.ckpt), or None. A file that
+    does not load is skipped, with a warning, for the next newest."""
     run_dir = Path(run_dir)
-    found = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+    found = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"),
+                         *(run_dir / "checkpoints").glob("*step=*.ckpt")] if p.is_file()]
+    for path in sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if loads(path):
+            return path
+        log.warning("%s does not load (cut short?); resuming from an older checkpoint", path)
+    return None
 
 
 def checkpoint_step(path: str | Path) -> int | str:

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .bleu import sacrebleu_bleu
@@ -29,6 +30,7 @@ from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
 from .experiment import Experiment
+from .launch.requeue import RequeueOnUSR1
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
 from .progress import progress_callback
@@ -107,6 +109,23 @@ def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:
     return made
 
 
+class RedoCutValidation(Callback):
+    """A checkpoint saved while a validation of fit runs (SIGTERM, an exception, SLURM's USR1) marks that
+    validation as cut inside its first batch, so a resume from it runs the whole validation again, at the same
+    step, before training on; otherwise Lightning resumes past it and that validation is never logged."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loops.get("epoch_loop.val_loop.batch_progress")
+        if not (trainer.state.fn == TrainerFn.FITTING and trainer.validating and not trainer.sanity_checking
+                and progress and not progress["is_last_batch"]):
+            return
+        before = progress["total"]["completed"] - progress["current"]["completed"]  # batches of earlier validations
+        # Lightning's "restarted mid-evaluation": a batch started, none finished; the loop reruns from the first
+        progress["total"] = {"ready": before + 1, "started": before + 1, "processed": before, "completed": before}
+        progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+
+
 def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback] | None = None,
                  **overrides: Any) -> L.Trainer:
     """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), trainer.loggers.
@@ -119,7 +138,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
     elif t.strategy == "ddp" and not gpu:
         strategy = DDPStrategy(process_group_backend="gloo")
-    devices, num_nodes, plugins = t.devices, t.num_nodes, [AtomicCheckpointIO()]
+    devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO()], []
     if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         # started by srun in a SLURM job (Lightning's own test): one process per device, as many as SLURM started
         num_nodes = int(os.environ.get("SLURM_NNODES", "1"))
@@ -128,7 +147,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         if (devices, num_nodes) != (t.devices, t.num_nodes):
             log.info("SLURM runs %d node(s) x %d task(s); trainer.devices=%d, trainer.num_nodes=%d give way",
                      num_nodes, devices, t.devices, t.num_nodes)
-        plugins.append(SLURMEnvironment(auto_requeue=True))  # on USR1: save hpc_ckpt_N.ckpt, `scontrol requeue`
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(RequeueOnUSR1(run_dir))  # on USR1: hpc_ckpt_N.ckpt at a step boundary, `scontrol requeue`
     ckpt = ModelCheckpoint(
         dirpath=run_dir / "checkpoints", filename="step={step}", auto_insert_metric_name=False,
         every_n_train_steps=t.ckpt_every, save_top_k=t.keep_checkpoints, monitor="step", mode="max",
@@ -138,7 +158,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         # that may be many steps later), and that step's checkpoint is never written.
         save_on_train_epoch_end=True,
     )
-    callbacks = [ckpt, *(extra_callbacks or [])]
+    callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
     if t.progress_bar:  # a bar on a terminal, plain lines in a log file
         callbacks.append(progress_callback(t.log_every, run_dir.name))
     kwargs: dict[str, Any] = dict(
@@ -192,7 +212,8 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         callbacks: list[Callback] | None = None) -> Path:
     """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
     checkpoint). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then the process exits with
-    status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run."""
+    status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
+    the signal cut short is run again first: `RedoCutValidation`)."""
     check_extras(exp)
     dm, exp = prepare(exp)
     run_dir = exp.run_dir()

@@ -1,4 +1,4 @@
-"""The `attnlab ablate` subcommands: run, worker, submit, status, table, plot (added to the attnlab CLI)."""
+"""The `attnlab ablate` subcommands: run, worker, submit, move, status, table, plot (added to the attnlab CLI)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..launch.slurm import add_slurm_args, slurm_status
 from .report import plot, write_table
 from .runner import Options, run_study, work
 from .spec import load_spec
-from .study import format_status, open_study, prepare_study
+from .study import format_status, move_study, open_study, prepare_study
 from .submit import submit_study
 
 
@@ -21,8 +21,8 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="the ablation file, e.g. ablations/block_variants.yaml")
     p.add_argument("--dir", default=None, help="study directory (default: <base runs_dir>/ablations/<name>)")
     p.add_argument("--storage", default=None,
-                   help="optuna storage URL (sqlite:///..., postgresql://...) or a journal file path "
-                        "(default: sqlite <study dir>/study.db)")
+                   help="optuna storage URL (postgresql://..., sqlite:///...) or a journal file path "
+                        "(default: the one the study directory records, else <study dir>/journal.log)")
     p.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's heartbeats")
     p.add_argument("--grace", type=int, default=120,
                    help="seconds without a heartbeat after which a trial's worker is taken as dead")
@@ -31,8 +31,8 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `ablate run|worker|submit|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
-    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, status, table, plot")
+    """Add `ablate run|worker|submit|move|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
+    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, table, plot")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -56,6 +56,10 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                         help="array tasks, one worker each (default: one per point still to run)")
     submit.add_argument("--array-parallelism", type=int, default=None, help="at most this many run at once")
     add_slurm_args(submit, "study")
+    move = sub.add_parser("move", help="copy a study into another storage and record it there")
+    move.add_argument("study", help="the ablation file, or its study directory")
+    move.add_argument("--dir", default=None, help="study directory when it is not the default")
+    move.add_argument("--to", required=True, help="the new storage: a journal file path or an optuna storage URL")
     for name, text in (("status", "which points are done, running, failed, invalid, pending"),
                        ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
                        ("plot", "curves.png and metric.png from the stored trials")):
@@ -101,6 +105,11 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
             logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
             return 130
         logging.getLogger("attnlab.ablate").info("worker done: %d trial(s)", n)
+        return 0
+    if sub == "move":
+        h = move_study(open_study(args.study, None, args.dir), args.to)
+        print(f"{h.spec.name}: {len(h.study.get_trials(deepcopy=False))} trial(s) copied to {h.url}, now recorded "
+              f"in {h.dir / 'study.yaml'}")
         return 0
     h = open_study(args.study, args.storage, args.dir)
     if sub == "status":

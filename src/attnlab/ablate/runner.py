@@ -4,10 +4,11 @@ Each grid point is a (variant, seed) with a stable `point_id`. Workers do not le
 optuna's GridSampler can hand one point to two workers near the end of a grid, starts new trials on a
 finished one, and cannot express a `variants:` list. Instead a worker *claims* a point:
 
-1. under a lock file in the study directory (`claim.lock`, created with O_EXCL, safe on NFS; a lock left by
-   a killed worker is broken after 30 s), it reads the study's trials, fails RUNNING trials whose heartbeat
-   is older than the grace period, and picks the first point that has no COMPLETE trial, no invalid record,
-   no live RUNNING trial, and fewer than 1 + retries failed attempts;
+1. under a lock file in the study directory (`claim.lock`, created with O_EXCL, safe on NFS, naming its
+   holder; a lock left by a killed worker is broken at once when that worker ran on this host, else after
+   30 s), it reads the study's trials, fails RUNNING trials whose worker is gone (no heartbeat for the grace
+   period, or a worker process of this host that no longer exists), and picks the first point that has no
+   COMPLETE trial, no invalid record, no live RUNNING trial, and fewer than 1 + retries failed attempts;
 2. it creates a RUNNING trial with user attrs point_id, variant, seed, overrides and a heartbeat;
 3. it reads the trials again: if a live trial for the same point has a lower number (a worker that did not
    share the lock), its own trial is recorded as a duplicate and never runs.
@@ -15,8 +16,9 @@ finished one, and cannot express a `variants:` list. Instead a worker *claims* a
 So every point has at most one live trial and, once done, exactly one COMPLETE trial: guaranteed for all
 workers that share the study directory (local workers, SLURM jobs on a shared file system), and by step 3
 alone on storages that order writes (SQLite, a journal file). While a trial runs, a thread stamps its
-`heartbeat` user attr every `heartbeat_s`; a worker that dies stops stamping, and after `grace_s` the next
-claim fails its trial ("lost") and runs the point again, resuming from `run_dir/checkpoints/last.ckpt` when
+`heartbeat` user attr every `heartbeat_s`; a worker that dies stops stamping, and after `grace_s` (at once
+when it ran on the claiming worker's host) the next claim fails its trial ("lost") and runs the point again,
+resuming from the newest checkpoint of its run directory that loads (`checkpoints.latest_checkpoint`) when
 the run left one. Heartbeats are kept as user attrs rather than optuna's RDB heartbeat because optuna's
 JournalStorage has none, and the SLURM runner uses a journal file. A worker whose trial was declared lost
 while it was merely frozen gets UpdateFinishedTrialError when it reports: its result is discarded.
@@ -31,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -48,13 +49,13 @@ import torch
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
-from optuna.storages.journal import JournalFileOpenLock
 from optuna.trial import TrialState
 
 from ..checkpoints import latest_checkpoint
 from ..config import ConfigError, ModelConfig, load_yaml
 from ..experiment import Experiment
 from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit
+from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
 from .spec import AblationSpec, fmt, short_key
@@ -64,6 +65,7 @@ from .study import (
     PENDING,
     RUNNING,
     STALE,
+    OwnedLock,
     PointState,
     StudyHandle,
     point_states,
@@ -89,7 +91,7 @@ class Options:
 
 @contextmanager
 def claim_lock(study_dir: Path) -> Iterator[None]:
-    lock = JournalFileOpenLock(str(study_dir / "claim"), grace_period=30)
+    lock = OwnedLock(study_dir / "claim.lock", grace_s=30)
     lock.acquire()
     try:
         yield
@@ -98,7 +100,8 @@ def claim_lock(study_dir: Path) -> Iterator[None]:
 
 
 def fail_stale(h: StudyHandle, grace_s: float) -> int:
-    """Fail RUNNING trials whose heartbeat is older than grace_s (their worker died). Returns how many."""
+    """Fail RUNNING trials whose worker died: no heartbeat for grace_s, or a worker process of this host that is
+    gone. Returns how many."""
     now, n = time.time(), 0
     for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if trial_status(t, now, grace_s) == STALE:
@@ -106,8 +109,9 @@ def fail_stale(h: StudyHandle, grace_s: float) -> int:
                 h.storage.set_trial_user_attr(t._trial_id, "lost_at", now)
                 h.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 n += 1
-                log.warning("trial %d (%s) lost its worker: no heartbeat for %.0f s", t.number,
-                            t.user_attrs.get("variant"), now - float(t.user_attrs.get("heartbeat", 0)))
+                log.warning("trial %d (%s) lost its worker %s: last heartbeat %.0f s ago", t.number,
+                            t.user_attrs.get("variant"), t.user_attrs.get("worker"),
+                            now - float(t.user_attrs.get("heartbeat", 0)))
             except UpdateFinishedTrialError:
                 pass  # its worker reported after all, or another worker failed it first
     return n
@@ -124,14 +128,10 @@ class Claim:
     seed: int
 
 
-def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 def _attrs(point_id: str, variant: str, overrides: dict[str, Any], seed: int, attempt: int) -> dict[str, Any]:
     job = job_identity()  # inside SLURM: which job (array task) and which run of it after requeues
     return {"point_id": point_id, "variant": variant, "overrides": overrides, "seed": seed, "attempt": attempt,
-            "worker": worker_name(), "heartbeat": time.time(), "cuda_visible_devices": visible_devices_label(),
+            "worker": owner(), "heartbeat": time.time(), "cuda_visible_devices": visible_devices_label(),
             **({"slurm_job": job[0], "slurm_restart": job[1]} if job else {})}
 
 
@@ -299,7 +299,7 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
             log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
             return INVALID
         run_dir = exp.run_dir()
-        ckpt = latest_checkpoint(run_dir)  # last.ckpt, or a newer hpc_ckpt_N.ckpt saved on SLURM's USR1
+        ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
         resume = ckpt is not None
         for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
                      "resumed_from": str(ckpt) if ckpt else None}.items():

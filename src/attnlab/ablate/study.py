@@ -8,18 +8,26 @@ runner.py claims and runs points; report.py turns the finished ones into tables 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
+import os
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
 from ..config import ConfigError, load_yaml
+from ..leftovers import owner, owner_alive, stamped
 from .spec import AblationSpec, load_spec
+
+log = logging.getLogger("attnlab.ablate")
 
 DONE, INVALID, RUNNING, STALE, FAILED, PENDING = "done", "invalid", "running", "stale", "failed", "pending"
 
@@ -62,20 +70,92 @@ def default_study_dir(spec: AblationSpec) -> Path:
     return Path(spec.experiment({}).trainer.runs_dir) / "ablations" / spec.name
 
 
-def storage_url(study_dir: Path, storage: str | None) -> str:
-    """SQLite in the study directory unless given: an optuna storage URL, or a journal file path."""
-    if storage and "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
+def storage_url(study_dir: Path, storage: str | None = None) -> str:
+    """The storage of a study: `storage` when given (an optuna storage URL, or a journal file path), else the one
+    its study directory records (study.yaml), else a journal file in the study directory. One default for
+    `ablate run` and `ablate submit`: a journal file works on one machine and on a shared file system alike."""
+    recorded = study_dir / "study.yaml"
+    if storage is None and recorded.is_file():
+        storage = str(load_yaml(recorded)["storage"])
+    if storage is None:
+        storage = str(study_dir / "journal.log")
+    if "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
         return str(Path(storage.removeprefix("journal:")).resolve())
-    return storage or f"sqlite:///{(study_dir / 'study.db').resolve()}"
+    return storage
+
+
+class OwnedLock:
+    """A lock file created with O_EXCL (safe on NFS) that names its holder (`leftovers.owner`). A waiter breaks
+    it at once when the holder is a process of this host that is gone (SIGKILLed while holding it), and after
+    `grace_s` without change otherwise (a holder on a node that died). Unlike optuna's JournalFileOpenLock, a
+    waiter interrupted while waiting (SIGTERM, Ctrl-C) never removes the lock another process holds. It has
+    the two methods JournalFileBackend calls on a lock: acquire and release."""
+
+    def __init__(self, path: str | Path, grace_s: float = 30.0) -> None:
+        self.path, self.grace_s = Path(path), grace_s
+
+    def acquire(self) -> bool:
+        delay, seen, since = 0.001, None, time.monotonic()
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    holder, mtime = self.path.read_text(), self.path.stat().st_mtime_ns
+                except OSError:
+                    continue  # released meanwhile
+                if (holder, mtime) != seen:
+                    seen, since = (holder, mtime), time.monotonic()
+                gone = holder and owner_alive(holder) is False  # empty: written in a moment
+                if gone or time.monotonic() - since > self.grace_s:
+                    self._break(holder, "its holder is gone" if gone else f"held for over {self.grace_s:.0f} s")
+                    delay = 0.001
+                    continue
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+                continue
+            try:
+                os.write(fd, owner().encode())
+            except BaseException:  # interrupted before it says whose it is: not left behind unnamed
+                os.close(fd)
+                os.unlink(self.path)
+                raise
+            os.close(fd)
+            return True
+
+    def _break(self, holder: str, why: str) -> None:
+        """Move the lock aside and delete it, unless it changed hands since it was judged (then put it back)."""
+        aside = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.broken")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if aside.read_text() != holder:  # another waiter broke it first and a live process took it since
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+        else:
+            log.warning("lock %s broken: %s (%s)", self.path, why, holder)
+        aside.unlink()
+
+    def release(self) -> None:
+        try:
+            if self.path.read_text() != owner():  # broken while held (frozen past grace_s): not ours to remove
+                log.warning("lock %s was taken over while this process held it", self.path)
+                return
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def open_storage(url: str) -> BaseStorage:
-    if "://" not in url:  # a journal file (shared file systems: one appended log, O_EXCL lock)
+    if "://" not in url:  # a journal file (shared file systems: one appended log, an O_EXCL lock file)
         path = Path(url).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=OwnedLock(f"{path}.lock")))  # type: ignore[arg-type]
     if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
         return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")  # the driver of the `postgres` extra
     return RDBStorage(url)
 
 
@@ -105,8 +185,7 @@ def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: st
     study.set_user_attr("baseline", baseline.key if baseline else None)
     if not spec.is_search:
         study.set_user_attr("variants", [{"key": v.key, "name": v.name} for v in spec.variants()])
-    info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
-    (study_dir / "study.yaml").write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    write_record(spec, study_dir, url)
     return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
 
 
@@ -133,19 +212,46 @@ def open_study(ref: str | Path, storage: str | None = None, study_dir: str | Pat
         info = load_yaml(info_path)
         return connect(load_spec(info["spec"]), ref, storage or info["storage"])
     spec = load_spec(ref)
-    sdir = Path(study_dir) if study_dir else default_study_dir(spec)
-    info_path = sdir / "study.yaml"
-    if storage is None and info_path.exists():
-        storage = load_yaml(info_path)["storage"]
-    return connect(spec, sdir, storage)
+    return connect(spec, Path(study_dir) if study_dir else default_study_dir(spec), storage)
+
+
+def move_study(h: StudyHandle, to: str) -> StudyHandle:
+    """Copy a study, every trial with its attributes, into another storage (`to`: a URL or a journal file) and
+    record that storage in the study directory; the old one is left as it was. Refused while a trial runs."""
+    url = storage_url(h.dir, to)
+    if url == h.url:
+        raise ConfigError(f"{h.spec.name} is already in {url}")
+    running = [t.number for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+               if trial_status(t, time.time(), 120.0) == RUNNING]
+    if running:
+        raise ConfigError(f"{h.spec.name}: trial(s) {running} are running in {h.url}; move the study once its "
+                          "workers have stopped")
+    try:
+        optuna.copy_study(from_study_name=h.spec.name, from_storage=h.storage, to_storage=open_storage(url))
+    except optuna.exceptions.DuplicatedStudyError:
+        raise ConfigError(f"{url} already holds a study named {h.spec.name!r}") from None
+    moved = connect(h.spec, h.dir, url)
+    if len(moved.study.get_trials(deepcopy=False)) != len(h.study.get_trials(deepcopy=False)):
+        raise RuntimeError(f"copying {h.spec.name} from {h.url} to {url} lost trials")
+    write_record(h.spec, h.dir, url)
+    return moved
+
+
+def write_record(spec: AblationSpec, study_dir: Path, url: str) -> None:
+    """study.yaml: the study's name, storage and ablation file, read by `status`, `table`, `submit` and workers."""
+    info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
+    tmp = study_dir / stamped(".study.yaml", ".tmp")  # replaced in one rename: a killed worker leaves no half file
+    tmp.write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
+    os.replace(tmp, study_dir / "study.yaml")
 
 
 # ---------------------------------------------------------------------------------------------- state
 def trial_status(t: FrozenTrial, now: float, grace_s: float) -> str:
     if t.state == TrialState.COMPLETE:
         return DONE
-    if t.state == TrialState.RUNNING:
-        return STALE if now - float(t.user_attrs.get("heartbeat", 0)) > grace_s else RUNNING
+    if t.state == TrialState.RUNNING:  # stale: no heartbeat for grace_s, or its worker (on this host) is gone
+        late = now - float(t.user_attrs.get("heartbeat", 0)) > grace_s
+        return STALE if late or owner_alive(t.user_attrs.get("worker")) is False else RUNNING
     if t.state == TrialState.FAIL:
         return str(t.user_attrs.get("status", "lost"))  # error | invalid | duplicate | interrupted | lost
     return t.state.name.lower()

@@ -1,5 +1,6 @@
 """`attnlab ablate submit`: a study as a SLURM array job, each array task one worker of the study's shared
-optuna storage (a journal file in the study directory unless --storage names another).
+optuna storage: --storage, else the one the study directory records, else a journal file there (the default of
+`ablate run` too). A study kept in SQLite is refused, saying how to move it (`attnlab ablate move`).
 
 A worker claims a point and runs it as an srun step of its allocation, one task per device, `--nodes` x
 `--tasks-per-node` tasks (attnlab.launch.job). On USR1 before the time limit the trial checkpoints and the job
@@ -49,8 +50,12 @@ def submit_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"--fit {args.fit!r}: expected module:function")
     study_dir = check_path(Path(args.dir).resolve() if args.dir else default_study_dir(spec).resolve(), "--dir")
     recorded = study_dir / "study.yaml"
-    storage = args.storage or (load_yaml(recorded)["storage"] if recorded.exists() else str(study_dir / "journal.log"))
-    storage = storage_url(study_dir, storage)
+    storage = storage_url(study_dir, args.storage)
+    if storage.startswith("sqlite"):
+        raise ConfigError(f"{spec.name} is kept in SQLite ({storage}), whose locking is not reliable on the network "
+                          "file systems SLURM jobs share, and admits one writer at a time. Move it to a journal file "
+                          f"(or a PostgreSQL URL) first: attnlab ablate move {shlex.quote(str(study_dir))} --to "
+                          f"{shlex.quote(str(study_dir / 'journal.log'))}")
     varied = {k for v in spec.variants() for k in v.overrides} if not spec.is_search else \
         {d.key for d in spec.distributions}
     for key in ("trainer.devices", "trainer.num_nodes"):

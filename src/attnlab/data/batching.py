@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..leftovers import remove_orphans, stamped
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
@@ -72,10 +72,13 @@ def write_manifest(d: Path, settings: dict[str, Any], **info: Any) -> dict[str, 
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `final`; on success it replaces `final` in one rename.
-    On an exception it is removed, so a failed or interrupted build never leaves a cache behind. (A killed
-    process may leave a `.tmp-*` folder; nothing reads those.)"""
+    On an exception it is removed, so a failed or interrupted build never leaves a cache behind. A killed build
+    leaves its `.tmp-*` folder, named by its owner (host and PID, `leftovers.stamped`): the next build beside it
+    removes those whose process is gone, never one still running (nor one of another host, which may be)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_orphans(final.parent, ".tmp-*@*@*")
+    remove_orphans(final.parent, ".trash-*@*@*")
+    tmp = final.parent / stamped(f".tmp-{final.name}")
     tmp.mkdir()
     try:
         yield tmp
@@ -83,7 +86,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():  # an invalid cache from an earlier, broken or different run: move it aside, then delete
-        trash = final.parent / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"
+        trash = final.parent / stamped(f".trash-{final.name}")
         with contextlib.suppress(FileNotFoundError):
             final.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)

@@ -31,6 +31,7 @@ from ..checkpoints import checkpoint_step, latest_checkpoint
 from ..config import ConfigError, load_yaml
 from ..experiment import Experiment, from_raw
 from ..train import make_datamodule
+from .requeue import job_identity
 
 log = logging.getLogger("attnlab.launch")
 
@@ -47,15 +48,6 @@ def resolve_fit(fit: str | FitFn) -> FitFn:
     if not name:
         raise ConfigError(f"--fit {fit!r}: expected module:function, e.g. {DEFAULT_FIT}")
     return getattr(importlib.import_module(module), name)
-
-
-def job_identity() -> tuple[str, int] | None:
-    """(job key, restart count) inside a SLURM job: `<array job>_<task>` for an array task, else the job id."""
-    if "SLURM_JOB_ID" not in os.environ:
-        return None
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    key = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ["SLURM_JOB_ID"]
-    return key, int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def check_code() -> Path:
@@ -190,11 +182,10 @@ def task_main(argv: list[str]) -> int:
     if me is not None and me[1] > 0 and latest_checkpoint(run_dir) is not None:
         ckpt = str(latest_checkpoint(run_dir))  # a requeued fit continues where its checkpoint left it
     rank, world = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURM_NTASKS", "1")
-    if rank == "0":
-        path = run_dir / "checkpoints" / "last.ckpt" if ckpt == "last" else Path(ckpt) if ckpt else None
-        what = f"resuming from {path} (global step {checkpoint_step(path)})" if path else "from step 0"
-        print(f"[attnlab task {rank}/{world}] {datetime.datetime.now():%F %T} code {code}; run {run_dir}; {what}",
-              flush=True)
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt == "last" else Path(ckpt) if ckpt else None
+    what = f"resuming from {path} (global step {checkpoint_step(path)})" if path else "from step 0"
+    print(f"[attnlab task {rank}/{world}] {datetime.datetime.now():%F %T} code {code}; run {run_dir}; {what}",
+          flush=True)  # every rank says where it starts: a resume must start all of them from one checkpoint
     resolve_fit(args.fit)(exp, ckpt_path=ckpt)
     return 0
 

@@ -19,9 +19,10 @@ editing the repository while jobs wait in the queue changes nothing (`<run dir>/
 
 A fit runs as one srun step of nodes x tasks-per-node tasks, one per device; in each task
 `train.make_trainer` takes devices and num_nodes from SLURM, so Lightning runs DDP across them (gloo on CPU).
-Jobs ask for USR1 `--signal-seconds` before their time limit; Lightning's SLURM plugin then saves
-`hpc_ckpt_N.ckpt` in the run directory and requeues the job (`scontrol requeue`); the restarted job resumes
-from the newest checkpoint. USR1 sent to the batch shell only (`scancel --signal=USR1 --batch`) is passed on.
+Jobs ask for USR1 `--signal-seconds` before their time limit; every task then saves `hpc_ckpt_N.ckpt` in the
+run directory at the next step boundary and the job is requeued (`scontrol requeue`; attnlab.launch.requeue);
+the restarted job resumes every task from the newest checkpoint that loads. USR1 sent to the batch shell
+only (`scancel --signal=USR1 --batch`) is passed on.
 
 Every value that reaches a script is validated (names, partitions, times, memory) or shell-quoted (paths,
 commands); options that land in `#SBATCH` lines must match a strict pattern, and paths there are quoted
