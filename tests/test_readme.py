@@ -25,6 +25,7 @@ SKIP = {  # a block's first line -> why this test does not run it
     'python3 -m venv .venv && .venv/bin/pip install -e ".[hf,tensorboard]"': "installs from the network",
     "attnlab ablate run ablations/demo_norm_ffn.yaml --workers 2": "trains 4 models for 8 minutes",
     "attnlab ablate submit ablations/block_variants.yaml --launcher slurm": "needs a SLURM cluster",
+    "attnlab ablate run ablations/lm_block_variants.yaml --workers 8": "needs 8 GPUs (on a CPU: 64 models, hours)",
     ".venv/bin/python -c \"import datasets": "downloads WMT14",
     ".venv/bin/python - <<'PY'": "reads WMT14 (downloaded, 820 MB)",
     "sbatch slurm/wmt14_base.sbatch": "needs a SLURM cluster with 8 GPUs",
