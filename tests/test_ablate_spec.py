@@ -74,7 +74,7 @@ def test_block_variants_and_table3_shapes(tmp_path):
     assert names[0] == "base" and table3.baseline().name == "base" and len(names) == 17
     assert sum(n.startswith("(A)") for n in names) == 4 and sum(n.startswith("(C)") for n in names) == 7
     h32 = table3.experiment(next(v for v in table3.variants() if v.name.startswith("(A) h=32")).overrides)
-    assert (h32.model.n_heads, h32.model.head_dim) == (32, 16)
+    assert (h32.model.n_heads, h32.model.d_k) == (32, 16)
     lm = load_spec(layout(tmp_path, ROOT / "ablations" / "lm_block_variants.yaml"))
     assert len(lm.variants()) == 32 and lm.experiment({}).model.arch == "decoder_only"
 

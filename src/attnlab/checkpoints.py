@@ -94,7 +94,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def check_compatible(ckpt: dict[str, Any], model_cfg: ModelConfig, path: str | Path) -> None:
     """Refuse a checkpoint trained with a different model config, naming the fields that differ."""
-    saved = ckpt["hyper_parameters"].get("model", {})
+    # a field added since the checkpoint was written holds its default (the value that kept old configs unchanged)
+    saved = {**ModelConfig().to_dict(), **ckpt["hyper_parameters"].get("model", {})}
     now = model_cfg.to_dict()
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diff:
