@@ -31,6 +31,7 @@ class BaseModule(L.LightningModule):
         self._last_step_time: float | None = None
         self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
+        self._tokens: torch.Tensor | int = 0  # target tokens trained on, all ranks together (kept in checkpoints)
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
 
@@ -80,6 +81,9 @@ class BaseModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/nll", nll / n)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        # every rank adds every rank's tokens (one scalar all-reduce a step under DDP), so each holds the run's total
+        self._tokens = self._tokens + self.trainer.strategy.reduce(n_tokens.detach().long(), reduce_op="sum")
+        self.log("train/tokens", self._tokens.double())
         if self._last_step_time is not None:  # tokens of this step over the time since the last one
             self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
         self._last_step_time = now
@@ -101,13 +105,16 @@ class BaseModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would."""
+        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would, and the
+        tokens trained so far, so its train/tokens count goes on."""
         checkpoint["rng"] = {"torch": torch.get_rng_state()}
+        checkpoint["tokens_trained"] = int(self._tokens)
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._rng_to_restore = checkpoint.get("rng")
+        self._tokens = int(checkpoint.get("tokens_trained", 0))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # restored here, not at load time: the loops draw random numbers between loading and the first batch
