@@ -3,6 +3,7 @@ a worker killed mid-trial, invalid combinations, retries, resume, tables and plo
 
 `fake_fit` has train.fit's signature and writes what a real run writes (metrics.csv, config.yaml, a
 last.ckpt); worker processes import it as test_ablate_runner:fake_fit (this folder is on their PYTHONPATH).
+`fake_evaluate` has final.evaluate_run's signature and writes hypothesis files with a known quality.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,14 +19,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from optuna.trial import TrialState
 
-from attnlab.ablate.report import plot, write_table
+from attnlab.ablate.figures import plot
+from attnlab.ablate.final import write_lines
+from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import Options, run_study, worker_command
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect, format_status, point_states, prepare_study
 from attnlab.cli import main
+from attnlab.evaluate import score
 from attnlab.rundir import keep_metrics, run_metrics
+from conftest import make_pairs
 
 TESTS = Path(__file__).resolve().parent
 FAKE = "test_ablate_runner:fake_fit"
@@ -41,7 +48,9 @@ trainer: {max_steps: 10, val_every: 5}
 # ---------------------------------------------------------------------------------------------- fake fit
 def fake_metric(exp) -> float:
     m = exp.model
-    return round(3.0 - 0.25 * (m.norm == "rmsnorm") - 0.5 * (m.ffn == "swiglu") + 0.01 * exp.trainer.seed, 6)
+    interaction = 0.2 * (m.qk_norm and m.ffn == "swiglu")  # QK-norm changes nothing with ReLU, costs SwiGLU 0.2
+    additive = 3.0 - 0.25 * (m.norm == "rmsnorm") - 0.5 * (m.ffn == "swiglu")
+    return round(additive + interaction + 0.01 * exp.trainer.seed, 6)
 
 
 def fake_fit(exp, ckpt_path=None):
@@ -54,7 +63,7 @@ def fake_fit(exp, ckpt_path=None):
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
                             "ckpt_path": ckpt_path, "start": start}) + "\n")
-    (run_dir / "checkpoints" / "last.ckpt").write_text("fake", encoding="utf-8")
+    torch.save({"global_step": exp.trainer.max_steps}, run_dir / "checkpoints" / "last.ckpt")
     if exp.model.dropout == 0.3:
         raise RuntimeError("boom: dropout 0.3 always fails")
     if exp.model.dropout == 0.2 and not (run_dir / "flaked").exists():
@@ -65,15 +74,47 @@ def fake_fit(exp, ckpt_path=None):
     (run_dir / "logs").mkdir(exist_ok=True)
     with open(run_dir / "logs" / "metrics.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["epoch", "step", "train/loss", "train/tokens_per_s", "val/loss"])
-        w.writerow([0, 4, 4.0, 1000.0, ""])
-        w.writerow([0, 4, "", "", value + 0.5])
-        w.writerow([0, 9, 3.5, 1200.0, ""])
-        w.writerow([0, 9, "", "", value])
+        w.writerow(["epoch", "step", "train/loss", "train/tokens_per_s", "train/tokens", "val/loss"])
+        w.writerow([0, 4, value + 1.5, 1000.0, 5000, ""])
+        w.writerow([0, 4, "", "", "", value + 0.5])
+        w.writerow([0, 9, value + 1.0, 1200.0, 10000, ""])
+        w.writerow([0, 9, "", "", "", value])
     (run_dir / "config.yaml").write_text(exp.to_yaml(), encoding="utf-8")
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "pid": os.getpid(), "end": time.time()}) + "\n")
     return run_dir
+
+
+REFS = [de for _, de in make_pairs(120, seed=7)]
+
+
+def fake_hypotheses(refs: list[str], drop: float, rng: random.Random) -> list[str]:
+    """References with each word dropped with probability `drop`: a system whose quality `drop` sets."""
+    return [" ".join(w for w in r.split() if rng.random() >= drop) for r in refs]
+
+
+def fake_drop(exp) -> float:
+    """The word-drop rate of a fake system: SwiGLU translates better (a large, known effect); the norm does not
+    matter (no effect)."""
+    return 0.35 - 0.2 * (exp.model.ffn == "swiglu")
+
+
+def fake_evaluate(exp, run_dir):
+    """A stand-in for final.evaluate_run: eval/{valid,test}.{hyp,ref} whose quality fake_drop sets (each seed its
+    own draw), and the scores sacreBLEU gives those files."""
+    eval_dir = Path(run_dir) / "eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    out = {"eval_dir": str(eval_dir)}
+    for split in ("valid", "test"):
+        rng = random.Random(f"{exp.model.norm} {exp.model.ffn} {exp.trainer.seed} {split}")
+        refs = REFS if split == "valid" else REFS[::-1]
+        hyps = fake_hypotheses(refs, fake_drop(exp), rng)
+        write_lines(eval_dir / f"{split}.hyp", hyps)
+        write_lines(eval_dir / f"{split}.ref", refs)
+        scores = score(hyps, refs)
+        out.update({f"{split}_bleu": scores["bleu"], f"{split}_chrf": scores["chrf"],
+                    f"{split}_loss": fake_metric(exp) + (split == "test"), f"{split}_ppl": 2.0 ** fake_metric(exp)})
+    return out
 
 
 def read_calls(study_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -83,12 +124,16 @@ def read_calls(study_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def write_study(tmp: Path, body: str, base: str = TINY_LM) -> Path:
+def write_study(tmp: Path, body: str, base: str = TINY_LM, final_eval: bool = False, name: str = "study") -> Path:
+    """tmp/ablations/<name>.yaml over tmp/experiments/tiny_lm.yaml (`base`), metric val/loss unless `body` says."""
     (tmp / "experiments").mkdir(exist_ok=True)
     (tmp / "ablations").mkdir(exist_ok=True)
-    (tmp / "experiments" / "tiny_lm.yaml").write_text(base, encoding="utf-8")
-    path = tmp / "ablations" / "study.yaml"
-    path.write_text("base: ../experiments/tiny_lm.yaml\nmetric: {name: val/loss, direction: min}\n" + body)
+    (tmp / "experiments" / f"{name}_base.yaml").write_text(base, encoding="utf-8")
+    path = tmp / "ablations" / f"{name}.yaml"
+    head = f"base: ../experiments/{name}_base.yaml\nfinal_eval: {str(final_eval).lower()}\n"
+    if "metric:" not in body:
+        head += "metric: {name: val/loss, direction: min}\n"
+    path.write_text(head + body)
     return path
 
 
@@ -100,7 +145,8 @@ axes:
   model.ffn: [gelu, swiglu]
 """
 
-FAST = Options(fit=FAKE, heartbeat_s=1, grace_s=2, poll_s=0.2)
+FAKE_EVAL = "test_ablate_runner:fake_evaluate"
+FAST = Options(fit=FAKE, evaluate=FAKE_EVAL, heartbeat_s=1, grace_s=2, poll_s=0.2)
 
 
 @pytest.fixture

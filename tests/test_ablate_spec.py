@@ -160,7 +160,7 @@ def test_metric_must_be_logged_by_the_task(tmp_path):
     path = tmp_path / "ablations" / "lm.yaml"
     path.write_text("base: ../experiments/lm_demo.yaml\nmetric: {name: val/bleu, direction: max}\n"
                     "axes: {model.norm: [rmsnorm]}\n")
-    with pytest.raises(ConfigError, match="val/bleu is logged by translation experiments only"):
+    with pytest.raises(ConfigError, match="val/bleu is scored for translation experiments only"):
         load_spec(path)
 
 
