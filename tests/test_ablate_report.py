@@ -22,6 +22,7 @@ from attnlab.ablate.budget import step_cost
 from attnlab.ablate.final import read_lines, write_lines
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
+from attnlab.ablate.stats import holm
 from attnlab.ablate.study import connect
 from attnlab.cli import main
 from attnlab.config import ModelConfig
@@ -148,10 +149,16 @@ def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, c
 
 
 def test_main_effects_and_the_interaction_equal_the_means_of_table_csv(tmp_path, capsys):
-    body = "seeds: [1, 2]\naxes:\n  model.ffn: [relu, swiglu]\n  model.qk_norm: [false, true]\n"
+    body = "seeds: [1, 2]\nsignificance: {holm: true}\naxes:\n  model.ffn: [relu, swiglu]\n" \
+           "  model.qk_norm: [false, true]\n"
     spec = load_spec(write_study(tmp_path, body))
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
     assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
+    out = capsys.readouterr().out
+    assert "Welch's t-test over seeds" in out and "(Holm-corrected); 3 comparison(s) against the baseline" in out
+    tested = [r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")) if r["p_value"]]
+    assert [float(r["p_holm"]) for r in tested] == pytest.approx(holm([float(r["p_value"]) for r in tested]))
+    assert all((r["significant"] == "True") == (float(r["p_holm"]) < 0.05) for r in tested)
     assert main(["ablate", "effects", str(spec.path), "--dir", str(tmp_path / "study"), "--pair", "model.ffn",
                  "model.qk_norm"]) == 0
     out = capsys.readouterr().out
