@@ -15,20 +15,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from optuna.distributions import CategoricalDistribution
 from scipy import stats
 
 from attnlab.ablate.budget import step_cost
-from attnlab.ablate.final import read_lines, write_lines
+from attnlab.ablate.final import evaluate_run, read_lines, write_lines
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.stats import holm
 from attnlab.ablate.study import connect
+from attnlab.checkpoints import average_checkpoints
 from attnlab.cli import main
 from attnlab.config import ModelConfig
+from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
 from attnlab.models.accounting import flops_per_token, training_flops
-from attnlab.train import prepare
+from attnlab.train import fit, prepare
 from conftest import make_pairs
 from test_ablate_runner import FAKE, FAKE_EVAL, FAST, TINY_LM, fake_evaluate, fake_fit, read_calls, write_study
 
@@ -255,3 +259,42 @@ def test_the_study_cli_passes_the_evaluator_to_its_workers(tmp_path, capsys):
     assert main(["ablate", "run", str(path), *common]) == 0
     assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
     assert "| ffn=swiglu |" in capsys.readouterr().out
+
+
+def test_a_language_models_final_evaluation_is_its_loss_over_the_whole_splits(tmp_path):
+    """A real tiny LM fit, evaluate_run, and the same numbers by hand: the last 2 checkpoints averaged, the
+    token-weighted cross-entropy over every window of the valid and test splits."""
+    words = "the a small big red green house cat dog tree river city open close file save print".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11)) + f" {i}.\n\n"
+                              for i in range(600)), encoding="utf-8")
+    recipe = tmp_path / "lm.yaml"
+    recipe.write_text(f"""\
+name: lm
+model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: 0.0,
+        norm_position: pre, position: rope}}
+data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.1, test_fraction: 0.1,
+       data_dir: {tmp_path / 'cache'}}}
+optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
+trainer: {{max_steps: 4, val_every: 4, ckpt_every: 2, limit_val_batches: 1, log_every: 2, progress_bar: false,
+          runs_dir: {tmp_path / 'runs'}}}
+decode: {{average_last: 2}}
+""", encoding="utf-8")
+    exp = load_experiment(recipe)
+    run_dir = fit(exp)
+    final = evaluate_run(exp, run_dir)
+    assert [Path(p).name for p in final["checkpoints"]] == ["step=2.ckpt", "step=4.ckpt"] and "valid_bleu" not in final
+    averaged = average_checkpoints([run_dir / "checkpoints" / f"step={s}.ckpt" for s in (2, 4)])
+    model = load_module(run_dir / "checkpoints" / "averaged_last2.ckpt").model
+    assert all(torch.equal(v, averaged["state_dict"][f"model.{k}"]) for k, v in model.state_dict().items())
+    dm, _ = prepare(exp)
+    for split, loader in (("valid", dm.val_dataloader()), ("test", dm.test_dataloader())):
+        nll = tokens = 0.0
+        with torch.no_grad():
+            for batch in loader:
+                logits = model(batch["input"])  # (B, T, V)
+                nll += float(F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), reduction="sum",
+                                             ignore_index=0))
+                tokens += int(batch["target"].ne(0).sum())
+        assert final[f"{split}_loss"] == pytest.approx(nll / tokens, rel=1e-5), split
+        assert final[f"{split}_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
