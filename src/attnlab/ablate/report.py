@@ -212,11 +212,18 @@ def count(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-def cell(column: Column, value: Any) -> str:
+def column_digits(rows: list[Row], source: str) -> int:
+    """One number of decimals for a metric column: the one its largest value needs (digits)."""
+    values = [abs(r.mean if source == "metric" else r.cells[source]) for r in rows
+              if source == "metric" or r.cells.get(source) is not None]
+    return digits(max(values)) if values else 2
+
+
+def cell(column: Column, value: Any, d: int = 2) -> str:
     if value is None:
         return ""
     if column.kind == "metric":
-        return f"{value:.{digits(value)}f}"
+        return f"{value:.{d}f}"
     if column.kind == "config":
         return fmt(value)
     if column.source == "params":
@@ -230,8 +237,8 @@ def cell(column: Column, value: Any) -> str:
     return count(value)
 
 
-def metric_cells(r: Row, with_test: bool) -> list[str]:
-    d = digits(r.mean)  # mean, std and difference with the same decimals
+def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
+    """mean ± std, n, and against the baseline Δ, p and the CI of Δ, with d decimals."""
     out = [f"{r.mean:.{d}f}" + (f" ± {r.std:.{d}f}" if r.n > 1 else ""), str(r.n)]
     if not with_test:
         return out
@@ -254,11 +261,17 @@ def header(h: StudyHandle, with_test: bool) -> list[str]:
     return out
 
 
-def cells(h: StudyHandle, r: Row, with_test: bool) -> list[str]:
+def cells(h: StudyHandle, r: Row, with_test: bool, decimals: dict[str, int]) -> list[str]:
     out = [r.variant]
     for c in h.spec.columns:
-        out += metric_cells(r, with_test) if c.source == "metric" else [cell(c, r.cells.get(c.source))]
+        d = decimals.get(c.source, 2)
+        out += metric_cells(r, with_test, d) if c.source == "metric" else [cell(c, r.cells.get(c.source), d)]
     return out
+
+
+def decimals_of(h: StudyHandle, rows: list[Row]) -> dict[str, int]:
+    return {c.source: column_digits(rows, c.source) for c in h.spec.columns if c.source == "metric" or
+            c.kind == "metric"}
 
 
 def markdown(h: StudyHandle, rows: list[Row], notes: list[str]) -> str:
@@ -266,7 +279,8 @@ def markdown(h: StudyHandle, rows: list[Row], notes: list[str]) -> str:
     head = header(h, with_test)
     rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"
     lines = ["| " + " | ".join(head) + " |", rule]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(h, r, with_test)) + " |" for r in rows]
+    dec = decimals_of(h, rows)
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(h, r, with_test, dec)) + " |" for r in rows]
     if not rows:
         lines.append("| (no finished trials yet) |" + " |" * (len(head) - 1))
     title = f"**{h.spec.name}**: {h.spec.metric}, mean ± std over seeds (n = seeds finished)"
@@ -293,7 +307,8 @@ def latex(h: StudyHandle, rows: list[Row]) -> str:
     head = header(h, with_test)
     lines = [r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule",
              " & ".join(latex_escape(c) for c in head) + r" \\", r"\midrule"]
-    lines += [" & ".join(latex_escape(c) for c in cells(h, r, with_test)) + r" \\" for r in rows]
+    dec = decimals_of(h, rows)
+    lines += [" & ".join(latex_escape(c) for c in cells(h, r, with_test, dec)) + r" \\" for r in rows]
     lines += [r"\bottomrule", r"\end{tabular}"]
     note = footnote(h, rows)
     return "\n".join(lines + ([f"% {latex_escape(note)}"] if note else [])) + "\n"
