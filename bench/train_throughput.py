@@ -130,7 +130,7 @@ class XSeq2Seq(nn.Module):
         super().__init__()
         xt = need("x_transformers", "carry .whl, see bench/README.md")
         side = dict(num_tokens=cfg.vocab_size, max_seq_len=cfg.max_seq_len, depth=cfg.n_enc_layers,
-                    heads=cfg.n_heads, attn_dim_head=cfg.head_dim, ff_mult=cfg.d_ff / cfg.d_model, attn_flash=True,
+                    heads=cfg.n_heads, attn_dim_head=cfg.d_k, ff_mult=cfg.d_ff / cfg.d_model, attn_flash=True,
                     emb_dropout=cfg.dropout, ff_dropout=cfg.dropout)
         kw = {f"enc_{k}": v for k, v in side.items()} | {f"dec_{k}": v for k, v in side.items()}
         kw["dec_depth"] = cfg.n_dec_layers
@@ -164,7 +164,7 @@ class XLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         xt = need("x_transformers", "carry .whl, see bench/README.md")
-        layers = xt.Decoder(dim=cfg.d_model, depth=cfg.n_dec_layers, heads=cfg.n_heads, attn_dim_head=cfg.head_dim,
+        layers = xt.Decoder(dim=cfg.d_model, depth=cfg.n_dec_layers, heads=cfg.n_heads, attn_dim_head=cfg.d_k,
                             ff_mult=cfg.d_ff / cfg.d_model, ff_glu=True, ff_swish=True, ff_no_bias=True,
                             rotary_pos_emb=True, use_rmsnorm=True, attn_flash=True)
         self.net = xt.TransformerWrapper(num_tokens=cfg.vocab_size, max_seq_len=cfg.max_seq_len, attn_layers=layers,

@@ -3,6 +3,7 @@ combinations, retries, resume, tables and plots from stored trials; and a worker
 
 `fake_fit` has train.fit's signature and writes what a real run writes (metrics.csv, config.yaml, a
 last.ckpt); worker processes import it as test_ablate_runner:fake_fit (this folder is on their PYTHONPATH).
+`fake_evaluate` has final.evaluate_run's signature and writes hypothesis files with a known quality.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import csv
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,12 +24,14 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from attnlab.ablate.report import plot, write_table
+from attnlab.ablate.devices import gpu_slices
+from attnlab.ablate.figures import plot
+from attnlab.ablate.final import write_lines
+from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import (
     Options,
     _create_running,
     claim_next,
-    gpu_slices,
     run_study,
     trial_experiment,
     worker_command,
@@ -37,9 +41,11 @@ from attnlab.ablate.study import OwnedLock, connect, format_status, point_states
 from attnlab.checkpoints import checkpoint_step
 from attnlab.cli import main
 from attnlab.config import ConfigError
+from attnlab.evaluate import score
 from attnlab.leftovers import owner
 from attnlab.rundir import keep_metrics, run_metrics
 from attnlab.train import fit
+from conftest import make_pairs
 
 TESTS = Path(__file__).resolve().parent
 FAKE = "test_ablate_runner:fake_fit"
@@ -56,7 +62,9 @@ trainer: {max_steps: 10, val_every: 5}
 # ---------------------------------------------------------------------------------------------- fake fit
 def fake_metric(exp) -> float:
     m = exp.model
-    return round(3.0 - 0.25 * (m.norm == "rmsnorm") - 0.5 * (m.ffn == "swiglu") + 0.01 * exp.trainer.seed, 6)
+    interaction = 0.2 * (m.qk_norm and m.ffn == "swiglu")  # QK-norm changes nothing with ReLU, costs SwiGLU 0.2
+    additive = 3.0 - 0.25 * (m.norm == "rmsnorm") - 0.5 * (m.ffn == "swiglu")
+    return round(additive + interaction + 0.01 * exp.trainer.seed, 6)
 
 
 def fake_fit(exp, ckpt_path=None):
@@ -71,7 +79,7 @@ def fake_fit(exp, ckpt_path=None):
         f.write(json.dumps({"hash": exp.config_hash(), "seed": exp.trainer.seed, "pid": os.getpid(),
                             "ckpt_path": ckpt_path, "start": start,
                             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
-    torch.save({"global_step": 0}, run_dir / "checkpoints" / "last.ckpt")  # a checkpoint that loads
+    torch.save({"global_step": exp.trainer.max_steps}, run_dir / "checkpoints" / "last.ckpt")  # one that loads
     together = int(os.environ.get("FAKE_TOGETHER", "0"))  # wait until this many workers are inside a fit
     while len({c["pid"] for c in read_calls(calls.parent)[0]}) < together and time.time() - start < 120:
         time.sleep(0.05)
@@ -85,15 +93,47 @@ def fake_fit(exp, ckpt_path=None):
     (run_dir / "logs").mkdir(exist_ok=True)
     with open(run_dir / "logs" / "metrics.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["epoch", "step", "train/loss", "train/tokens_per_s", "val/loss"])
-        w.writerow([0, 4, 4.0, 1000.0, ""])
-        w.writerow([0, 4, "", "", value + 0.5])
-        w.writerow([0, 9, 3.5, 1200.0, ""])
-        w.writerow([0, 9, "", "", value])
+        w.writerow(["epoch", "step", "train/loss", "train/tokens_per_s", "train/tokens", "val/loss"])
+        w.writerow([0, 4, value + 1.5, 1000.0, 5000, ""])
+        w.writerow([0, 4, "", "", "", value + 0.5])
+        w.writerow([0, 9, value + 1.0, 1200.0, 10000, ""])
+        w.writerow([0, 9, "", "", "", value])
     (run_dir / "config.yaml").write_text(exp.to_yaml(), encoding="utf-8")
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "pid": os.getpid(), "end": time.time()}) + "\n")
     return run_dir
+
+
+REFS = [de for _, de in make_pairs(120, seed=7)]
+
+
+def fake_hypotheses(refs: list[str], drop: float, rng: random.Random) -> list[str]:
+    """References with each word dropped with probability `drop`: a system whose quality `drop` sets."""
+    return [" ".join(w for w in r.split() if rng.random() >= drop) for r in refs]
+
+
+def fake_drop(exp) -> float:
+    """The word-drop rate of a fake system: SwiGLU translates better (a large, known effect); the norm does not
+    matter (no effect)."""
+    return 0.35 - 0.2 * (exp.model.ffn == "swiglu")
+
+
+def fake_evaluate(exp, run_dir):
+    """A stand-in for final.evaluate_run: eval/{valid,test}.{hyp,ref} whose quality fake_drop sets (each seed its
+    own draw), and the scores sacreBLEU gives those files."""
+    eval_dir = Path(run_dir) / "eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    out = {"eval_dir": str(eval_dir)}
+    for split in ("valid", "test"):
+        rng = random.Random(f"{exp.model.norm} {exp.model.ffn} {exp.trainer.seed} {split}")
+        refs = REFS if split == "valid" else REFS[::-1]
+        hyps = fake_hypotheses(refs, fake_drop(exp), rng)
+        write_lines(eval_dir / f"{split}.hyp", hyps)
+        write_lines(eval_dir / f"{split}.ref", refs)
+        scores = score(hyps, refs)
+        out.update({f"{split}_bleu": scores["bleu"], f"{split}_chrf": scores["chrf"],
+                    f"{split}_loss": fake_metric(exp) + (split == "test"), f"{split}_ppl": 2.0 ** fake_metric(exp)})
+    return out
 
 
 def read_calls(study_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -103,12 +143,16 @@ def read_calls(study_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def write_study(tmp: Path, body: str, base: str = TINY_LM) -> Path:
+def write_study(tmp: Path, body: str, base: str = TINY_LM, final_eval: bool = False, name: str = "study") -> Path:
+    """tmp/ablations/<name>.yaml over tmp/experiments/tiny_lm.yaml (`base`), metric val/loss unless `body` says."""
     (tmp / "experiments").mkdir(exist_ok=True)
     (tmp / "ablations").mkdir(exist_ok=True)
-    (tmp / "experiments" / "tiny_lm.yaml").write_text(base, encoding="utf-8")
-    path = tmp / "ablations" / "study.yaml"
-    path.write_text("base: ../experiments/tiny_lm.yaml\nmetric: {name: val/loss, direction: min}\n" + body)
+    (tmp / "experiments" / f"{name}_base.yaml").write_text(base, encoding="utf-8")
+    path = tmp / "ablations" / f"{name}.yaml"
+    head = f"base: ../experiments/{name}_base.yaml\nfinal_eval: {str(final_eval).lower()}\n"
+    if "metric:" not in body:
+        head += "metric: {name: val/loss, direction: min}\n"
+    path.write_text(head + body)
     return path
 
 
@@ -120,7 +164,8 @@ axes:
   model.ffn: [gelu, swiglu]
 """
 
-FAST = Options(fit=FAKE, heartbeat_s=1, grace_s=2, poll_s=0.2)
+FAKE_EVAL = "test_ablate_runner:fake_evaluate"
+FAST = Options(fit=FAKE, evaluate=FAKE_EVAL, heartbeat_s=1, grace_s=2, poll_s=0.2)
 
 
 @pytest.fixture
@@ -440,22 +485,26 @@ def test_one_default_storage_and_submit_refuses_sqlite_saying_how_to_move_it(tmp
 
 
 def test_plot_from_stored_trials(tmp_path, monkeypatch):
-    """What the figures draw: each variant's mean validation curve over its 2 seeds (steps 4 and 9 of fake_fit's
-    metrics), its final metric with the seeds' std as error bar, the baseline's line dashed."""
-    import matplotlib.pyplot as plt
+    """What the figures draw: each variant's mean training-loss and validation curves over its 2 seeds (steps 4
+    and 9 of fake_fit's metrics), its final metric with the seeds' std as error bar, the baseline's line dashed."""
+    from matplotlib.figure import Figure
 
     spec = load_spec(write_study(tmp_path, GRID_4x2))
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
     figures = []
-    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to read them back
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or savefig(fig, *a, **k))
     paths = plot(connect(spec, tmp_path / "study"))
     assert [p.name for p in paths] == ["curves.png", "metric.png"] and all(p.stat().st_size > 5000 for p in paths)
-    curves, metric = (f.axes[0] for f in figures)
+    (loss, curves), (metric,) = figures[0].axes, figures[1].axes
 
     def final(label: str) -> float:  # fake_metric's value of a variant, mean over seeds 1 and 2
         axes = dict(kv.split("=") for kv in label.split(" (")[0].split())
         return 3.0 - 0.25 * (axes["norm"] == "rmsnorm") - 0.5 * (axes["ffn"] == "swiglu") + 0.015
 
+    for line in loss.get_lines():  # fake_fit's training loss: its final value + 1.5 at step 4, + 1.0 at step 9
+        assert list(line.get_xdata()) == [4, 9]
+        assert list(line.get_ydata()) == pytest.approx([final(line.get_label()) + 1.5, final(line.get_label()) + 1])
     lines = {line.get_label(): line for line in curves.get_lines()}
     assert len(lines) == 4 and all("(n=2)" in label for label in lines)
     for label, line in lines.items():

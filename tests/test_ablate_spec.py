@@ -73,10 +73,16 @@ def test_block_variants_and_table3_shapes(tmp_path):
     assert list(block.axes) == ["model.norm", "model.norm_position", "model.ffn", "model.block", "model.qk_norm"]
     table3 = load_spec(layout(tmp_path, ROOT / "ablations" / "vaswani_table3.yaml"))
     names = [v.name for v in table3.variants()]
-    assert names[0] == "base" and table3.baseline().name == "base" and len(names) == 17
+    assert names[0] == "base" and table3.baseline().name == "base" and len(names) == 19
     assert sum(n.startswith("(A)") for n in names) == 4 and sum(n.startswith("(C)") for n in names) == 7
     h32 = table3.experiment(next(v for v in table3.variants() if v.name.startswith("(A) h=32")).overrides)
-    assert (h32.model.n_heads, h32.model.head_dim) == (32, 16)
+    assert (h32.model.n_heads, h32.model.d_k) == (32, 16)
+    rows_b = [table3.experiment(v.overrides).model for v in table3.variants() if v.name.startswith("(B)")]
+    assert [(m.n_heads, m.d_k, m.d_v, m.d_model) for m in rows_b] == [(8, 16, 64, 512), (8, 32, 64, 512)]
+    # the paper's columns, from the configs and the final evaluation (dev = newstest2013, the valid split)
+    assert [c.label for c in table3.columns] == ["N", "d_model", "d_ff", "h", "d_k", "d_v", "P_drop", "ε_ls",
+                                                 "train steps", "PPL (dev)", "BLEU (dev)", "params"]
+    assert table3.metric == "final/valid_bleu" and table3.experiment({}).decode.average_last == 1
     lm = load_spec(layout(tmp_path, ROOT / "ablations" / "lm_block_variants.yaml"))
     assert len(lm.variants()) == 32 and lm.experiment({}).model.arch == "decoder_only"
 
@@ -169,6 +175,17 @@ def test_variants_list_combines_with_axes(tmp_path):
     ("search: optuna\nn_trials: 4\ndistributions:\n  model.ffn: {type: categorical, choices: [relu, nope]}\n",
      ["distributions.model.ffn", "'nope'"]),
     ("search: grid\n", ["search='grid'"]),
+    ("metric: final/valid_blue\naxes: {model.norm: [rmsnorm]}\n", ["final/valid_blue", "final/<valid|test>_"]),
+    ("metric: final/test_bleu\nfinal_eval: false\naxes: {model.norm: [rmsnorm]}\n", ["needs the final evaluation"]),
+    ("columns: [params, model.colour]\naxes: {model.norm: [rmsnorm]}\n", ["columns[1] (model.colour)", "model.d_k"]),
+    ("columns: [{PPL: final/dev_ppl}]\naxes: {model.norm: [rmsnorm]}\n", ["columns[0] (final/dev_ppl)"]),
+    ("columns: [metric, metric]\naxes: {model.norm: [rmsnorm]}\n", ["metric appears twice"]),
+    ("significance: {level: 2}\naxes: {model.norm: [rmsnorm]}\n", ["significance.level=2"]),
+    ("significance: {seed: 0}\naxes: {model.norm: [rmsnorm]}\n", ["significance.seed=0"]),
+    ("significance: {alpha: 0.1}\naxes: {model.norm: [rmsnorm]}\n", ["significance: unknown key(s) ['alpha']"]),
+    ("budget: {steps: 10, flops: 1e12}\naxes: {model.norm: [rmsnorm]}\n", ["steps: or flops:, not both"]),
+    ("budget: {flops: -1}\naxes: {model.norm: [rmsnorm]}\n", ["budget.flops=-1"]),
+    ("budget: {flops: 1e12}\naxes: {trainer.max_steps: [5, 6]}\n", ["trainer.max_steps is set by budget.flops"]),
 ])
 def test_mistakes_are_load_errors_naming_the_key(tmp_path, body, needles):
     with pytest.raises(ConfigError) as e:
@@ -190,12 +207,25 @@ def test_an_invalid_combination_is_not_a_load_error(tmp_path):
     assert any("attn_softcap" in b for b in bad) and any("not divisible by model.n_heads" in b for b in bad)
 
 
+def test_final_metrics_columns_and_significance(tmp_path):
+    spec = spec_of(tmp_path, "metric: final/test_chrf\ncolumns: [params, {PPL: final/test_ppl}, metric, model.d_k]\n"
+                             "significance: {level: 0.01, holm: true}\nbudget: {flops: 1e15}\n"
+                             "axes: {model.norm: [rmsnorm]}\n")
+    assert (spec.metric, spec.direction, spec.final_eval, spec.budget_flops) == ("final/test_chrf", "max", True, 1e15)
+    assert [(c.label, c.source, c.kind) for c in spec.columns] == [
+        ("params", "params", "built_in"), ("PPL", "final/test_ppl", "metric"), ("", "metric", "built_in"),
+        ("model.d_k", "model.d_k", "config")]
+    assert spec.significance == {"level": 0.01, "resamples": 1000, "seed": 12345, "holm": True}
+    plain = spec_of(tmp_path, "axes: {model.norm: [rmsnorm]}\n")  # the metric's block comes first by default
+    assert [c.source for c in plain.columns] == ["metric", "params", "tokens_per_s", "wall"] and plain.final_eval
+
+
 def test_metric_must_be_logged_by_the_task(tmp_path):
     layout(tmp_path)
     path = tmp_path / "ablations" / "lm.yaml"
     path.write_text("base: ../experiments/lm_demo.yaml\nmetric: {name: val/bleu, direction: max}\n"
                     "axes: {model.norm: [rmsnorm]}\n")
-    with pytest.raises(ConfigError, match="val/bleu is logged by translation experiments only"):
+    with pytest.raises(ConfigError, match="val/bleu is scored for translation experiments only"):
         load_spec(path)
 
 

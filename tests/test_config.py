@@ -33,7 +33,8 @@ def test_yaml_round_trip_is_exact(changes):
 
 # a valid non-default value for every field: together they are one config that runs
 NON_DEFAULT = dict(
-    arch="decoder_only", vocab_size=1234, src_vocab_size=99, d_model=96, n_heads=6, n_kv_heads=3, n_enc_layers=0,
+    arch="decoder_only", vocab_size=1234, src_vocab_size=99, d_model=96, n_heads=6, n_kv_heads=3, head_dim=24,
+    v_head_dim=20, n_enc_layers=0,
     n_dec_layers=5, d_ff=333, ffn_multiple_of=64, max_seq_len=77, norm="rmsnorm", norm_position="sandwich",
     norm_eps=1e-6, ffn="geglu", attn_bias=False, ffn_bias=False, norm_bias=False, block="parallel", qk_norm=True,
     position="rope", rope_theta=123456.789, rope_fraction=0.25, tie_embeddings="none", scale_embeddings=False,
@@ -65,10 +66,20 @@ def test_gated_ffn_width_is_eight_thirds_rounded_up():
     assert ModelConfig(ffn="swiglu", d_ff=100).ffn_dim == 100
 
 
+def test_head_sizes_apart_from_d_model_over_n_heads():
+    cfg = ModelConfig()
+    assert (cfg.head_dim, cfg.d_k, cfg.d_v) == (0, 64, 64)  # 0: derived, d_model / n_heads
+    cfg = ModelConfig(d_model=100, n_heads=8, head_dim=16)  # d_model need not divide by n_heads then (Gemma)
+    assert (cfg.d_k, cfg.d_v) == (16, 16)
+    assert (ModelConfig(head_dim=16, v_head_dim=64).d_k, ModelConfig(head_dim=16, v_head_dim=64).d_v) == (16, 64)
+
+
 @pytest.mark.parametrize(
     "changes, fields",
     [
-        ({"d_model": 100, "n_heads": 8}, ["d_model", "n_heads"]),
+        ({"d_model": 100, "n_heads": 8}, ["d_model", "n_heads", "head_dim"]),
+        ({"head_dim": -8}, ["head_dim"]),
+        ({"v_head_dim": 32, "attention_backend": "flash_attn"}, ["v_head_dim", "attention_backend"]),
         ({"n_heads": 8, "n_kv_heads": 3}, ["n_heads", "n_kv_heads"]),
         ({"attn_softcap": 30.0}, ["attn_softcap", "attention_backend"]),
         ({"position": "alibi", "attention_backend": "flash_attn"}, ["position", "attention_backend"]),

@@ -234,6 +234,9 @@ def test_flops_are_6n_plus_attention():
     f = training_flops(ed, seq_len=10, src_len=30)
     assert f["encoder.attention"] == 12 * 64 * 30 * 30 and f["decoder.cross_attention"] == 12 * 64 * 10 * 30
     assert f["per_token"] == f["total"] / 10
+    # d_k apart from d_v: scores cost 2 d_k and the weighted values 2 d_v per key and head, forward (x 3 training)
+    kv = training_flops(ed.replace(head_dim=8, v_head_dim=32), seq_len=10, src_len=30)
+    assert kv["encoder.attention"] == 6 * 4 * (8 + 32) * 30 * 30 and kv["decoder.attention"] == 6 * 4 * 40 * 10 * 10
 
 
 def test_token_ids_outside_the_vocabulary_are_a_clear_error():

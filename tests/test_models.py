@@ -30,7 +30,8 @@ INNER = list(itertools.product(CHOICES["ffn"], [False, True]))  # ffn x qk_norm
 # Cycled over INNER, so every outer variant meets MHA, GQA and MQA, each bias switch off and each tying mode.
 EXTRAS = [
     dict(n_kv_heads=4, tie_embeddings="all"),
-    dict(n_kv_heads=2, attn_bias=False, ffn_bias=False, tie_embeddings="none"),
+    dict(n_kv_heads=2, attn_bias=False, ffn_bias=False, tie_embeddings="none", head_dim=12),  # d_k != d_model / h
+    dict(n_kv_heads=4, tie_embeddings="all", head_dim=4, v_head_dim=10),  # d_k != d_v (Vaswani et al. Table 3 (B))
     dict(n_kv_heads=1, norm_bias=False, tie_embeddings="decoder", scale_embeddings=False, embed_norm=True),
 ]
 BACKENDS = list(CHOICES["attention_backend"])
@@ -115,7 +116,8 @@ def set_backend(model, backend: str) -> None:
 
 
 def backends_for(cfg: ModelConfig) -> list[str]:
-    return [b for b in BACKENDS if not (b == "flash_attn" and cfg.position == "alibi")]  # the config forbids it
+    # the config forbids flash_attn with ALiBi, and with a value size apart from the key size
+    return [b for b in BACKENDS if not (b == "flash_attn" and (cfg.position == "alibi" or cfg.d_v != cfg.d_k))]
 
 
 @pytest.mark.parametrize("arch,norm,norm_position,block,position", GRID)
@@ -253,7 +255,7 @@ def test_mha_gqa_mqa_share_kv_heads(n_kv_heads):
     cfg = tiny(arch="decoder_only", n_heads=4, n_kv_heads=n_kv_heads, position="rope")
     model = jitter(build_model(cfg))
     qkv = model.decoder.layers[0].self_attn.qkv_proj
-    assert qkv.out_features == (4 + 2 * n_kv_heads) * cfg.head_dim
+    assert qkv.out_features == (4 + 2 * n_kv_heads) * cfg.d_k
     model.eval()
     ids = tokens(2, 6)
     for backend in ("eager", "flash_attn"):  # built from the config, not switched
@@ -315,7 +317,7 @@ def test_attn_softcap_caps_the_scores_before_the_softmax(backend, n_kv_heads):
         attn.qkv_proj.weight.mul_(20)  # large scores: capping changes the result a lot
         x = torch.randn(2, 6, cfg.d_model)  # (B, T, d)
         got = attn(x, Mask(causal=True))
-        hd, H, Hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+        hd, H, Hkv = cfg.d_k, cfg.n_heads, cfg.kv_heads
         q, k, v = (x @ attn.qkv_proj.weight.T).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = q.view(2, 6, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k, v = (t.view(2, 6, Hkv, hd).transpose(1, 2).repeat_interleave(H // Hkv, 1) for t in (k, v))
@@ -471,7 +473,8 @@ def test_accounting_equals_the_built_model_component_by_component(arch):
                    n_kv_heads=n_kv, attn_bias=attn_bias, ffn_bias=ffn_bias, norm_bias=norm_bias, tie_embeddings=tie,
                    embed_norm=embed_norm,
                    position="learned" if learned else "rope", n_enc_layers=3, n_dec_layers=2,
-                   src_vocab_size=29 if tie != "all" else 0, d_ff=48 if n % 2 else 0)
+                   src_vocab_size=29 if tie != "all" else 0, d_ff=48 if n % 2 else 0,
+                   head_dim=12 if n % 3 == 1 else 0, v_head_dim=6 if n % 4 == 1 else 0)
         model = build_model(cfg)
         built: dict[str, int] = {}
         for name, p in model.named_parameters():  # a shared table is listed once

@@ -81,17 +81,30 @@ def test_info_config_agrees_with_what_fit_builds() -> None:
         assert info_config(str(path))[0] == resolve_model(exp, tokenizer).model, path.name
 
 
-def test_info_reads_a_bare_model_config(tmp_path) -> None:
+def test_info_reads_a_bare_model_config(tmp_path, capsys) -> None:
     f = tmp_path / "m.yaml"
     f.write_text("vocab_size: 1000\nd_model: 64\nn_heads: 4\nn_enc_layers: 1\nn_dec_layers: 1\nd_ff: 128\n")
     cfg, vocab_from, name = info_config(str(f))
     assert (cfg.vocab_size, cfg.d_model, name) == (1000, 64, None) and vocab_from == "model.vocab_size=1,000"
+    f.write_text(f.read_text() + "head_dim: 8\nv_head_dim: 32\n")  # Table 3 (B): d_k apart from d_v
+    assert main(["info", str(f)]) == 0
+    out = capsys.readouterr().out
+    cfg = info_config(str(f))[0]
+    assert "heads=4/4 d_k=8 d_v=32" in out and f"{count_parameters(cfg)['total']:,}" in out
+    # against d_k = d_v = 64 / 4 = 16: q and k lose 32 rows each (weights and biases), v gains 64 rows and out 64
+    # columns, in each of the 3 attentions (encoder self, decoder self, cross)
+    per_attention = -2 * (32 * 64 + 32) + (64 * 64 + 64) + 64 * 64
+    full = count_parameters(cfg.replace(head_dim=0, v_head_dim=0))["total"]
+    assert count_parameters(cfg)["total"] - full == 3 * per_attention
 
 
-# Table 3 of the paper: (overrides of the base model, published parameters in millions). Row (B) changes d_k
-# apart from d_v, which a ModelConfig does not express; the other rows with a count are all here.
+# Table 3 of the paper: (overrides of the base model, published parameters in millions); every row with a count.
+# Row (B) changes d_k alone (its d_v column is blank: the base's 64), so it sets model.head_dim and keeps
+# model.v_head_dim at 64; with d_v = d_k as well the counts would be 51M and 55M.
 TABLE3 = {
     "base": ({}, 65),
+    "(B) d_k=16": ({"head_dim": 16, "v_head_dim": 64}, 58),
+    "(B) d_k=32": ({"head_dim": 32, "v_head_dim": 64}, 60),
     "(C) N=2": ({"n_enc_layers": 2, "n_dec_layers": 2}, 36),
     "(C) N=4": ({"n_enc_layers": 4, "n_dec_layers": 4}, 50),
     "(C) N=8": ({"n_enc_layers": 8, "n_dec_layers": 8}, 80),

@@ -334,13 +334,17 @@ def test_llama(tie, backend, kv):
     check_causal_lm(model, hf)
 
 
-def test_qwen3():
+@pytest.mark.parametrize("head_dim", [HD, 24])  # 24: d_k set apart from d_model / n_heads = 16, as Qwen3 does
+def test_qwen3(head_dim):
     hf = hf_model(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, intermediate_size=FF,
-                  num_key_value_heads=KV, head_dim=HD, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  num_key_value_heads=KV, head_dim=head_dim, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": THETA}, attention_bias=False,
                   use_sliding_window=False)
+    assert hf.model.layers[0].self_attn.q_proj.out_features == H * head_dim
     model = attnlab_model(n_kv_heads=KV, norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", attn_bias=False,
-                          ffn_bias=False, qk_norm=True, tie_embeddings="none")
+                          ffn_bias=False, qk_norm=True, tie_embeddings="none",
+                          head_dim=0 if head_dim == HD else head_dim)
+    assert model.cfg.d_k == head_dim
     load_llama_like(model, hf)
     check_causal_lm(model, hf)
 

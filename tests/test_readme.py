@@ -23,7 +23,8 @@ BLOCK = re.compile(r"^ *```(\w+)\n(.*?)^ *```", re.S | re.M)
 SKIP = {  # a block's first line -> why this test does not run it
     "make test": "runs this test suite itself, and `make demo` trains for 10 minutes",
     'python3 -m venv .venv && .venv/bin/pip install -e ".[hf,tensorboard]"': "installs from the network",
-    "attnlab ablate run ablations/demo_norm_ffn.yaml --workers 2": "trains 4 models for 8 minutes",
+    "attnlab ablate run ablations/demo_significance.yaml --workers 2": "trains 6 models and evaluates them, 38 minutes",
+    "pip install optuna-dashboard": "installs from the network, then serves a dashboard",
     "attnlab ablate submit ablations/block_variants.yaml --launcher slurm": "needs a SLURM cluster",
     "attnlab ablate run ablations/lm_block_variants.yaml --workers 8": "needs 8 GPUs (on a CPU: 64 models, hours)",
     ".venv/bin/python -c \"import datasets": "downloads WMT14",

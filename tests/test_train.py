@@ -149,6 +149,11 @@ def test_fit_logs_training_and_validation_metrics(tiny_run):
     assert losses[-1] < losses[0]  # it learns
     for col in ("val/loss", "val/ppl", "val/bleu", "val/chrf"):
         assert sorted(m[col]) == [3, 7], col  # validation after steps 4 and 8
+    # train/tokens: the target tokens (EOS included, padding not) of every batch trained so far
+    dm, _ = prepare(exp)
+    batches = [b for _, b in zip(range(8), dm.train_dataloader(), strict=False)]
+    seen = [int(b["tgt_out"].ne(0).sum()) for b in batches]
+    assert [m["train/tokens"][s][0] for s in range(8)] == [sum(seen[: s + 1]) for s in range(8)]
     for s in (3, 7):
         assert m["val/ppl"][s][0] == pytest.approx(math.exp(m["val/loss"][s][0]), rel=1e-5)
     # the last validation ran on the final weights (last.ckpt): its scores are those of their greedy translations

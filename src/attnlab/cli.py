@@ -127,6 +127,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     counts = count_parameters(cfg)
     total = counts.pop("total")
     print(f"{args.config}: arch={cfg.arch} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.kv_heads} "
+          f"d_k={cfg.d_k} d_v={cfg.d_v} "
           f"ffn={cfg.ffn}({cfg.ffn_dim}) norm={cfg.norm}/{cfg.norm_position}{'+embed_norm' * cfg.embed_norm} "
           f"block={cfg.block} position={cfg.position}")
     print(f"vocabulary: {vocab_from}; embeddings tied: {cfg.tie_embeddings}")

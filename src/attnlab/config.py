@@ -79,6 +79,8 @@ class ModelConfig(StrictConfig):
     d_model: int = 512  # width of the residual stream
     n_heads: int = 8  # attention heads (query heads)
     n_kv_heads: int = 0  # 0 = n_heads (MHA); 1 = MQA (Shazeer 2019); in between = GQA (Ainslie et al. 2023)
+    head_dim: int = 0  # d_k of a head (queries, keys); 0 = d_model / n_heads. Set apart as in Qwen3, Gemma
+    v_head_dim: int = 0  # d_v of a head (values); 0 = d_k. Vaswani et al. Table 3 (B) varies d_k alone
     n_enc_layers: int = 6  # used by encoder_decoder and encoder_only
     n_dec_layers: int = 6  # used by encoder_decoder and decoder_only
     d_ff: int = 0  # 0 = derived: 4*d for relu/gelu, 8/3*d rounded up to ffn_multiple_of for gated FFNs
@@ -117,7 +119,8 @@ class ModelConfig(StrictConfig):
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
-        for key in ["src_vocab_size", "n_kv_heads", "d_ff", "n_enc_layers", "n_dec_layers", "pad_id"]:
+        for key in ["src_vocab_size", "n_kv_heads", "head_dim", "v_head_dim", "d_ff", "n_enc_layers", "n_dec_layers",
+                    "pad_id"]:
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 0")
         for key in ["norm_eps", "rope_theta"]:
@@ -129,8 +132,9 @@ class ModelConfig(StrictConfig):
         for key in ["logit_softcap", "attn_softcap", "z_loss", "init_std"]:
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 0")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads} "
+                              "(or set model.head_dim)")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
         if self.arch in ("encoder_decoder", "encoder_only") and self.n_enc_layers < 1:
@@ -149,7 +153,7 @@ class ModelConfig(StrictConfig):
             raise ConfigError(f"model.rope_fraction={self.rope_fraction} must be in (0, 1]")
         if self.position == "rope" and self.rotary_dim % 2:
             raise ConfigError(
-                f"model.position=rope needs an even rotary dimension; head_dim={self.head_dim} with "
+                f"model.position=rope needs an even rotary dimension; head dimension {self.d_k} with "
                 f"model.rope_fraction={self.rope_fraction} gives {self.rotary_dim}"
             )
         if self.position == "sinusoidal" and self.d_model % 2:
@@ -159,13 +163,22 @@ class ModelConfig(StrictConfig):
                 "model.attn_softcap needs model.attention_backend=eager or flash_attn: "
                 "PyTorch SDPA cannot modify scores before the softmax"
             )
+        if self.d_v != self.d_k and self.attention_backend == "flash_attn":
+            raise ConfigError(f"model.v_head_dim={self.v_head_dim} differs from the key size {self.d_k}: flash-attn "
+                              "needs one head size for queries, keys and values (model.attention_backend=sdpa)")
         if self.position == "alibi" and self.attention_backend == "flash_attn":
             raise ConfigError("model.position=alibi is not supported with model.attention_backend=flash_attn")
 
     # ----- derived values (no state: computed from the fields) -----
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def d_k(self) -> int:
+        """d_k of each head (queries and keys): model.head_dim, or d_model / n_heads when it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def d_v(self) -> int:
+        """d_v of each head (values): model.v_head_dim, or d_k when it is 0."""
+        return self.v_head_dim or self.d_k
 
     @property
     def kv_heads(self) -> int:
@@ -173,7 +186,7 @@ class ModelConfig(StrictConfig):
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rope_fraction)
+        return int(self.d_k * self.rope_fraction)
 
     @property
     def source_vocab_size(self) -> int:

@@ -104,6 +104,8 @@ _ABSENT = object()
 HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
     ("data", "locale_dir"): (list(LOCALE_DIRS), "/usr/share/locale"),
     ("model", "embed_norm"): (False, _ABSENT),
+    ("model", "head_dim"): (0, _ABSENT),
+    ("model", "v_head_dim"): (0, _ABSENT),
 }
 
 

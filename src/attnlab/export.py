@@ -108,7 +108,7 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
 def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """attnlab DecoderOnly -> LlamaForCausalLM tensors and config: qkv_proj rows are [q; k; v], fc1 rows
     [gate; up] (SwiGLU: silu(gate) * up)."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    q, kv = cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k
     t = {"model.embed_tokens.weight": s["decoder.embed.weight"], "model.norm.weight": s["decoder.norm.weight"]}
     for i in range(cfg.n_dec_layers):
         a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -125,7 +125,7 @@ def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch
         t["lm_head.weight"] = s["head.weight"]
     config = {"model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
               "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_dec_layers,
-              "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+              "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.d_k,
               "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
               "rope_theta": cfg.rope_theta, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied}
     return t, config
@@ -135,7 +135,7 @@ def marian(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torc
     """attnlab EncoderDecoder -> MarianMTModel tensors and config, the residual stream reordered by `perm`."""
     d = cfg.d_model
     perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))  # attnlab coordinate of Marian's i-th
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    q, kv = cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k
 
     def reads(w: torch.Tensor) -> torch.Tensor:  # (out, d): input columns from the residual stream
         return w[:, perm]

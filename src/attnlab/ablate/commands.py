@@ -1,4 +1,5 @@
-"""The `attnlab ablate` subcommands: run, worker, submit, move, status, table, plot (added to the attnlab CLI)."""
+"""The `attnlab ablate` subcommands (added to the attnlab CLI): run, worker, submit, move, status, evaluate, table,
+plot, effects, compare."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals
+from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit
 from ..launch.slurm import add_slurm_args, slurm_status
-from .report import plot, write_table
+from .effects import compare_studies, effects_report
+from .figures import plot
+from .final import DEFAULT_EVALUATE, evaluate_study
+from .report import write_table
 from .runner import Options, run_study, work
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
@@ -28,11 +32,14 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
                    help="seconds without a heartbeat after which a trial's worker is taken as dead")
     p.add_argument("--poll", type=float, default=10.0, help="seconds an idle worker waits before looking again")
     p.add_argument("--fit", default=DEFAULT_FIT, help="module:function that trains (tests use a fake)")
+    p.add_argument("--evaluate", default=DEFAULT_EVALUATE,
+                   help="module:function (exp, run_dir) -> final scores, run after each fit (tests use a fake)")
 
 
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `ablate run|worker|submit|move|status|table|plot` to an argparse subparsers object (attnlab's CLI)."""
-    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, table, plot")
+    """Add the `ablate` subcommands to an argparse subparsers object (attnlab's CLI)."""
+    ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, evaluate, table, "
+                                              "plot, effects, compare")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -61,22 +68,37 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     move.add_argument("--dir", default=None, help="study directory when it is not the default")
     move.add_argument("--to", required=True, help="the new storage: a journal file path or an optuna storage URL")
     for name, text in (("status", "which points are done, running, failed, invalid, pending"),
+                       ("evaluate", "the final evaluation of every finished trial that has none, without retraining"),
                        ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
-                       ("plot", "curves.png and metric.png from the stored trials")):
+                       ("plot", "curves.png and metric.png from the stored trials"),
+                       ("effects", "main effects of each factor and a two-way interaction (effects.csv, .png)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("study", help="the ablation file, or its study directory")
         p.add_argument("--dir", default=None, help="study directory when it is not the default")
         p.add_argument("--storage", default=None, help="storage URL or journal file, when not the one recorded")
         if name == "status":
             p.add_argument("--grace", type=int, default=120, help="seconds without heartbeat shown as stale")
+        elif name == "evaluate":
+            p.add_argument("--force", action="store_true", help="evaluate the trials already evaluated again")
+            p.add_argument("--evaluate", default=DEFAULT_EVALUATE, help="module:function (exp, run_dir) -> scores")
         else:
             p.add_argument("--out", default=None, help="output directory (default: the study directory)")
+        if name == "effects":
+            p.add_argument("--pair", nargs=2, default=None, metavar=("A", "B"),
+                           help="the two factors of the interaction (default: the first two)")
+    compare = sub.add_parser("compare", help="the variants two studies share, side by side, and the rank "
+                                             "correlation of their scores (Kendall's tau, Spearman's rho)")
+    compare.add_argument("study_a", help="an ablation file or study directory")
+    compare.add_argument("study_b", help="another one")
+    compare.add_argument("--dirs", nargs=2, default=None, metavar=("DIR_A", "DIR_B"),
+                         help="their study directories when they are not the default")
     return ab
 
 
 def _options(args: argparse.Namespace) -> Options:
-    return Options(fit=args.fit, heartbeat_s=args.heartbeat, grace_s=args.grace, poll_s=args.poll,
-                   max_trials=getattr(args, "max_trials", None), linger=not getattr(args, "no_linger", False))
+    return Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
+                   poll_s=args.poll, max_trials=getattr(args, "max_trials", None),
+                   linger=not getattr(args, "no_linger", False))
 
 
 def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
@@ -111,7 +133,16 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"{h.spec.name}: {len(h.study.get_trials(deepcopy=False))} trial(s) copied to {h.url}, now recorded "
               f"in {h.dir / 'study.yaml'}")
         return 0
+    if sub == "compare":
+        dirs = args.dirs or (None, None)
+        print(compare_studies(open_study(args.study_a, None, dirs[0]), open_study(args.study_b, None, dirs[1])))
+        return 0
     h = open_study(args.study, args.storage, args.dir)
+    if sub == "evaluate":
+        for line in evaluate_study(h, resolve_fit(args.evaluate), args.force):
+            print(line)
+        print(f"see `attnlab ablate table {args.study}`")
+        return 0
     if sub == "status":
         print(format_status(h, args.grace))
         jobs = h.dir / "slurm" / "jobs.jsonl"
@@ -127,5 +158,10 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
     if sub == "plot":
         paths = plot(h, out)
         print(f"written: {', '.join(str(p) for p in paths)}")
+        return 0
+    if sub == "effects":
+        text, paths = effects_report(h, tuple(args.pair) if args.pair else None, out)
+        print(text)
+        print(f"\nwritten: {', '.join(str(p) for p in paths)}")
         return 0
     raise ConfigError(f"unknown ablate command {sub!r}")

@@ -1,9 +1,15 @@
-"""Tables (markdown, CSV, LaTeX) and figures (PNG) of a study, computed only from what its trials stored.
+"""Tables (markdown, CSV, LaTeX) of a study, computed only from what its trials stored.
 
-One row per variant: the metric's mean ± sample standard deviation over the seeds that finished (n), the
-difference of the mean to the baseline row's mean, parameters, median tokens/s and wall time (means over
-seeds), sorted best first for the metric's direction. The baseline is the variant whose varied fields equal
-the base experiment's own values, or else the first variant (see AblationSpec.baseline); a search has none.
+One row per variant: the study metric's mean ± sample standard deviation over the seeds that finished (n), its
+difference to the baseline row's mean (Δ), the p-value and 95% CI of that difference (stats.py: sacreBLEU's paired
+bootstrap on the stored hypotheses, pooled over the seeds, when the metric is a final BLEU or chrF; Welch's
+t-test over the seeds otherwise), then the columns the file chooses (columns.py): parameters, training FLOPs per
+token, steps and tokens trained, tokens/s, wall time, any metric (final/..., or the last value of a logged curve)
+and any config attribute (the paper's N, d_model, d_k, ...). Rows are sorted best first for the metric's
+direction; rows whose difference is significant at the file's level are marked with *, and the table says how
+many comparisons were made (and whether Holm's correction applies). The baseline is the variant whose varied
+fields equal the base experiment's own values, or else the first variant (see AblationSpec.baseline); a search
+has none.
 """
 
 from __future__ import annotations
@@ -14,23 +20,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial
 
-from .study import DONE, FAILED, INVALID, StudyHandle, point_states
+from ..experiment import SECTIONS
+from .columns import FINAL_METRIC, Column
+from .final import read_lines
+from .spec import fmt
+from .stats import Comparison, bootstrap_rows, holm, t_interval, version, welch
+from .study import DONE, FAILED, INVALID, StudyHandle, final_scores, point_states, trial_value
+
+BUILT_IN_ATTRS = {"params": "n_params", "flops": "flops_per_token", "steps": "steps", "tokens": "tokens",
+                  "tokens_per_s": "tokens_per_s", "wall": "wall_s"}
 
 
 @dataclass
 class Row:
     key: str
     variant: str
-    values: list[float]
-    seeds: list[int]
-    n_params: int | None
-    tokens_per_s: float | None
-    wall_s: float | None
+    trials: list[FrozenTrial]  # one per finished seed, in seed order
+    values: list[float]  # the study metric of each
     baseline: bool = False
     delta: float | None = None
-    curves: list[dict[str, list[float]]] = field(default_factory=list)
+    comparison: Comparison | None = None
+    significant: bool = False
+    cells: dict[str, Any] = field(default_factory=dict)  # column source -> value (mean over seeds)
+
+    @property
+    def seeds(self) -> list[int]:
+        return [int(t.user_attrs.get("seed", 0)) for t in self.trials]
 
     @property
     def n(self) -> int:
@@ -48,45 +65,123 @@ class Row:
         m = self.mean
         return math.sqrt(sum((v - m) ** 2 for v in self.values) / (len(self.values) - 1))
 
+    def attr_mean(self, key: str) -> float | None:
+        return _mean([t.user_attrs.get(key) for t in self.trials])
+
 
 def _mean(xs: list[Any]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 
+# ---------------------------------------------------------------------------------------------- rows
 def collect_rows(h: StudyHandle) -> tuple[list[Row], list[str]]:
-    """Rows of finished variants, best first, and notes on the points that are not in the table."""
-    states = point_states(h)
-    groups: dict[str, list] = {}
+    """Rows of finished variants, best first, each with its columns and its comparison with the baseline, and
+    notes on the points that are not in the table."""
+    spec, attrs = h.spec, h.study.user_attrs
+    groups: dict[str, list[tuple[FrozenTrial, float]]] = {}
     notes: list[str] = []
-    for s in states.values():
+    for s in point_states(h).values():
         r = s.result
-        if r is not None and r.state == TrialState.COMPLETE:
+        if r is not None:
+            value = trial_value(r, spec.metric, attrs)
+            if value is None:
+                how = "`attnlab ablate evaluate`" if spec.metric.startswith("final/") else "a longer budget"
+                notes.append(f"{s.variant} (seed {s.seed}): done, but without {spec.metric} (see {how})")
+                continue
             key = r.user_attrs.get("variant_key") or s.point_id  # a search's points are their own variants
-            groups.setdefault(key, []).append(r)
+            groups.setdefault(key, []).append((r, value))
         elif s.status in (INVALID, FAILED):
             notes.append(f"{s.variant} (seed {s.seed}): {s.status}: {s.reason.splitlines()[0] if s.reason else ''}")
         elif s.status != DONE:
             notes.append(f"{s.variant} (seed {s.seed}): {s.status}")
-    baseline = h.study.user_attrs.get("baseline")
+    baseline = attrs.get("baseline")
     rows = []
-    for key, trials in groups.items():
-        trials.sort(key=lambda t: t.user_attrs.get("seed", 0))
-        rows.append(Row(
-            key=key, variant=str(trials[0].user_attrs.get("variant")), values=[float(t.value) for t in trials],
-            seeds=[int(t.user_attrs.get("seed", 0)) for t in trials],
-            n_params=trials[0].user_attrs.get("n_params"),
-            tokens_per_s=_mean([t.user_attrs.get("tokens_per_s") for t in trials]),
-            wall_s=_mean([t.user_attrs.get("wall_s") for t in trials]),
-            baseline=key == baseline, curves=[t.user_attrs.get("curve") or {} for t in trials],
-        ))
+    for key, pairs in groups.items():
+        pairs.sort(key=lambda p: p[0].user_attrs.get("seed", 0))
+        trials = [t for t, _ in pairs]
+        row = Row(key, str(trials[0].user_attrs.get("variant")), trials, [v for _, v in pairs], key == baseline)
+        row.cells = {c.source: column_value(row, c, attrs) for c in spec.columns if c.source != "metric"}
+        rows.append(row)
     base_row = next((r for r in rows if r.baseline), None)
-    for r in rows:
-        r.delta = r.mean - base_row.mean if base_row is not None else None
-    rows.sort(key=lambda r: r.mean, reverse=h.spec.direction == "max")
+    if base_row is not None:
+        compare(h, rows, base_row)
+    rows.sort(key=lambda r: r.mean, reverse=spec.direction == "max")
     if baseline and base_row is None and rows:
         notes.insert(0, "the baseline variant has no finished trial: no differences shown")
     return rows, notes
+
+
+def column_value(row: Row, column: Column, attrs: dict[str, Any]) -> Any:
+    """A row's value in a column: the mean over its seeds (a config attribute: the first trial's)."""
+    if column.kind == "metric":
+        return _mean([trial_value(t, column.source, attrs) for t in row.trials])
+    if column.kind == "config":
+        section, _, name = column.source.partition(".")
+        from_trials = [t.user_attrs.get("config") for t in row.trials if t.user_attrs.get("config")]
+        if not from_trials:
+            return None
+        return getattr(SECTIONS[section].from_dict(from_trials[0][section]), name)
+    if column.source == "train_flops":
+        return _mean([t.user_attrs["flops_per_token"] * t.user_attrs["tokens"] for t in row.trials
+                      if t.user_attrs.get("flops_per_token") and t.user_attrs.get("tokens")])
+    if column.source == "params":
+        return row.trials[0].user_attrs.get("n_params")
+    return row.attr_mean(BUILT_IN_ATTRS[column.source])
+
+
+def hypotheses(t: FrozenTrial, split: str, attrs: dict[str, Any]) -> tuple[list[str], list[str]] | None:
+    """A trial's stored (hypotheses, references) of `split` (final.py writes them), or None."""
+    eval_dir = Path(final_scores(t, attrs).get("eval_dir") or Path(t.user_attrs.get("run_dir", ".")) / "eval")
+    hyp, ref = eval_dir / f"{split}.hyp", eval_dir / f"{split}.ref"
+    return (read_lines(hyp), read_lines(ref)) if hyp.is_file() and ref.is_file() else None
+
+
+def compare(h: StudyHandle, rows: list[Row], base: Row) -> None:
+    """Δ, p-value and CI of every row against the baseline; Holm's correction over them when asked."""
+    spec, sig, attrs = h.spec, h.spec.significance, h.study.user_attrs
+    final = FINAL_METRIC.match(spec.metric)
+    score = final.group(2) if final else ""
+    texts = {}
+    if score in ("bleu", "chrf"):
+        texts = {r.key: {t.user_attrs.get("seed", 0): hypotheses(t, final.group(1), attrs) for t in r.trials}
+                 for r in rows}
+    for r in rows:
+        r.delta = r.mean - base.mean
+        if r is base:
+            continue
+        pairs = texts.get(r.key, {})
+        if pairs and all(pairs.values()) and all(texts[base.key].values()):
+            r.comparison = bootstrap_rows(texts[base.key], pairs, score, sig["resamples"], sig["seed"])
+        else:
+            p, low, high = welch(base.values, r.values)
+            r.comparison = Comparison("Welch", p, low, high, seeds=tuple(r.seeds)) if not math.isnan(p) else None
+    tested = [r for r in rows if r.comparison is not None]
+    for r, p in zip(tested, holm([r.comparison.p_value for r in tested]), strict=True):
+        r.comparison.p_holm = p
+        r.significant = (p if sig["holm"] else r.comparison.p_value) < sig["level"]
+
+
+def footnote(h: StudyHandle, rows: list[Row]) -> str:
+    """What Δ, p and the CI are, and how many comparisons were made."""
+    tested = [r.comparison for r in rows if r.comparison is not None]
+    if not any(r.baseline for r in rows):
+        return ""
+    if not tested:
+        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds, or stored hypotheses)."
+    sig = h.spec.significance
+    methods = {c.method for c in tested}
+    parts = ["Δ: difference of the means to the baseline row."]
+    if "paired bootstrap" in methods:
+        parts.append(f"p and 95% CI of Δ for {h.spec.metric}: paired bootstrap resampling with sacreBLEU "
+                     f"{version()} ({sig['resamples']} resamples, seed {sig['seed']}) on the stored hypotheses of "
+                     "the seeds both rows have, pooled (hypotheses concatenated, references repeated); "
+                     "table.csv has each seed's p-value.")
+    if "Welch" in methods:
+        parts.append("p: Welch's t-test over seeds; 95% CI of Δ: t distribution, Welch-Satterthwaite df.")
+    holm_text = "Holm-corrected" if sig["holm"] else "not corrected for multiple comparisons"
+    parts.append(f"* p < {sig['level']:g} ({holm_text}); {len(tested)} comparison(s) against the baseline.")
+    return " ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -107,28 +202,92 @@ def duration(s: float | None) -> str:
     return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
 
 
-def cells(r: Row) -> list[str]:
-    d = digits(r.mean)  # mean, std and difference with the same decimals
-    metric = f"{r.mean:.{d}f}" + (f" ± {r.std:.{d}f}" if r.n > 1 else "")
-    delta = "baseline" if r.baseline else "" if r.delta is None else f"{r.delta:+.{d}f}"
-    tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else ""
-    return [r.variant, metric, str(r.n), delta, params(r.n_params), tps, duration(r.wall_s)]
+def count(x: float | None) -> str:
+    """Tokens and FLOPs: 3 significant digits with a K/M/G/T/P/E suffix."""
+    if x is None:
+        return ""
+    for power, suffix in ((18, "E"), (15, "P"), (12, "T"), (9, "G"), (6, "M"), (3, "K")):
+        if abs(x) >= 10**power:
+            return f"{x / 10**power:.3g}{suffix}"
+    return f"{x:.3g}"
 
 
-def header(h: StudyHandle) -> list[str]:
-    arrow = "↑" if h.spec.direction == "max" else "↓"
-    return ["variant", f"{h.spec.metric} {arrow}", "n", "Δ vs baseline", "params", "tokens/s", "wall"]
+def column_digits(rows: list[Row], source: str) -> int:
+    """One number of decimals for a metric column: the one its largest value needs (digits)."""
+    values = [abs(r.mean if source == "metric" else r.cells[source]) for r in rows
+              if source == "metric" or r.cells.get(source) is not None]
+    return digits(max(values)) if values else 2
+
+
+def cell(column: Column, value: Any, d: int = 2) -> str:
+    if value is None:
+        return ""
+    if column.kind == "metric":
+        return f"{value:.{d}f}"
+    if column.kind == "config":
+        return fmt(value)
+    if column.source == "params":
+        return params(value)
+    if column.source == "wall":
+        return duration(value)
+    if column.source == "tokens_per_s":
+        return f"{value:,.0f}"
+    if column.source == "steps":
+        return f"{value:,.0f}"
+    return count(value)
+
+
+def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
+    """mean ± std, n, and against the baseline Δ, p and the CI of Δ, with d decimals."""
+    out = [f"{r.mean:.{d}f}" + (f" ± {r.std:.{d}f}" if r.n > 1 else ""), str(r.n)]
+    if not with_test:
+        return out
+    out.append("baseline" if r.baseline else "" if r.delta is None else f"{r.delta:+.{d}f}")
+    c = r.comparison
+    out.append("" if c is None else f"{c.p_value:.3g}" + ("*" if r.significant else ""))
+    out.append("" if c is None else f"[{c.ci_low:+.{d}f}, {c.ci_high:+.{d}f}]")
+    return out
+
+
+def header(h: StudyHandle, with_test: bool) -> list[str]:
+    out = ["variant"]
+    for c in h.spec.columns:
+        if c.source == "metric":
+            arrow = "↑" if h.spec.direction == "max" else "↓"
+            out += [f"{c.label or h.spec.metric} {arrow}", "n"] + (["Δ vs baseline", "p", "95% CI of Δ"]
+                                                                  if with_test else [])
+        else:
+            out.append(c.label)
+    return out
+
+
+def cells(h: StudyHandle, r: Row, with_test: bool, decimals: dict[str, int]) -> list[str]:
+    out = [r.variant]
+    for c in h.spec.columns:
+        d = decimals.get(c.source, 2)
+        out += metric_cells(r, with_test, d) if c.source == "metric" else [cell(c, r.cells.get(c.source), d)]
+    return out
+
+
+def decimals_of(h: StudyHandle, rows: list[Row]) -> dict[str, int]:
+    return {c.source: column_digits(rows, c.source) for c in h.spec.columns if c.source == "metric" or
+            c.kind == "metric"}
 
 
 def markdown(h: StudyHandle, rows: list[Row], notes: list[str]) -> str:
-    head = header(h)
+    with_test = any(r.baseline for r in rows)
+    head = header(h, with_test)
     rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"
     lines = ["| " + " | ".join(head) + " |", rule]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    dec = decimals_of(h, rows)
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(h, r, with_test, dec)) + " |" for r in rows]
     if not rows:
         lines.append("| (no finished trials yet) |" + " |" * (len(head) - 1))
     title = f"**{h.spec.name}**: {h.spec.metric}, mean ± std over seeds (n = seeds finished)"
     out = [title, "", *lines]
+    note = footnote(h, rows)
+    if note:
+        out += ["", note]
     if notes:
         out += ["", "Not in the table:", *[f"- {n}" for n in notes]]
     return "\n".join(out)
@@ -136,7 +295,7 @@ def markdown(h: StudyHandle, rows: list[Row], notes: list[str]) -> str:
 
 LATEX_CHARS = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "#": r"\#", "_": r"\_", "$": r"\$",
                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}", "±": r"$\pm$",
-               "Δ": r"$\Delta$", "↑": r"$\uparrow$", "↓": r"$\downarrow$"}
+               "Δ": r"$\Delta$", "↑": r"$\uparrow$", "↓": r"$\downarrow$", "ε": r"$\epsilon$"}
 
 
 def latex_escape(text: str) -> str:
@@ -144,23 +303,34 @@ def latex_escape(text: str) -> str:
 
 
 def latex(h: StudyHandle, rows: list[Row]) -> str:
-    head = header(h)
+    with_test = any(r.baseline for r in rows)
+    head = header(h, with_test)
     lines = [r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule",
              " & ".join(latex_escape(c) for c in head) + r" \\", r"\midrule"]
-    lines += [" & ".join(latex_escape(c) for c in cells(r)) + r" \\" for r in rows]
+    dec = decimals_of(h, rows)
+    lines += [" & ".join(latex_escape(c) for c in cells(h, r, with_test, dec)) + r" \\" for r in rows]
     lines += [r"\bottomrule", r"\end{tabular}"]
-    return "\n".join(lines) + "\n"
+    note = footnote(h, rows)
+    return "\n".join(lines + ([f"% {latex_escape(note)}"] if note else [])) + "\n"
 
 
-def write_csv(path: Path, rows: list[Row], metric: str) -> None:
+def write_csv(path: Path, h: StudyHandle, rows: list[Row]) -> None:
+    metric = h.spec.metric
+    extra = [c for c in h.spec.columns if c.source != "metric"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["variant", f"{metric} mean", f"{metric} std", "n", "delta_vs_baseline", "baseline",
-                    "n_params", "tokens_per_s", "wall_s", "seeds", "values"])
+        w.writerow(["variant", f"{metric} mean", f"{metric} std", "n", f"{metric} ci_low", f"{metric} ci_high",
+                    "delta_vs_baseline", "p_value", "delta_ci_low", "delta_ci_high", "p_holm", "significant", "test",
+                    "p_per_seed", "baseline", *[c.label or c.source for c in extra], "n_params", "tokens_per_s",
+                    "wall_s", "seeds", "values"])
         for r in rows:
-            w.writerow([r.variant, r.mean, r.std, r.n, "" if r.delta is None else r.delta, r.baseline,
-                        r.n_params, r.tokens_per_s, r.wall_s, " ".join(map(str, r.seeds)),
-                        " ".join(repr(v) for v in r.values)])
+            c = r.comparison
+            test = [c.p_value, c.ci_low, c.ci_high, c.p_holm, r.significant, c.method,
+                    " ".join(f"{s}:{p!r}" for s, p in c.per_seed.items())] if c else ["", "", "", "", "", "", ""]
+            w.writerow([r.variant, r.mean, r.std, r.n, *t_interval(r.values), "" if r.delta is None else r.delta,
+                        *test, r.baseline, *["" if r.cells.get(x.source) is None else r.cells[x.source] for x in extra],
+                        r.trials[0].user_attrs.get("n_params"), r.attr_mean("tokens_per_s"), r.attr_mean("wall_s"),
+                        " ".join(map(str, r.seeds)), " ".join(repr(v) for v in r.values)])
 
 
 def write_table(h: StudyHandle, out_dir: Path | None = None) -> tuple[str, list[Path]]:
@@ -171,77 +341,6 @@ def write_table(h: StudyHandle, out_dir: Path | None = None) -> tuple[str, list[
     md = markdown(h, rows, notes)
     paths = [out_dir / "table.md", out_dir / "table.csv", out_dir / "table.tex"]
     paths[0].write_text(md + "\n", encoding="utf-8")
-    write_csv(paths[1], rows, h.spec.metric)
+    write_csv(paths[1], h, rows)
     paths[2].write_text(latex(h, rows), encoding="utf-8")
     return md, paths
-
-
-# ---------------------------------------------------------------------------------------------- figures
-def mean_curve(curves: list[dict[str, list[float]]]) -> tuple[list[int], list[float], list[float]]:
-    """Mean and std over seeds at each step that every seed's curve has."""
-    per_seed = [dict(zip(c.get("step", []), c.get("value", []), strict=False)) for c in curves if c]
-    if not per_seed:
-        return [], [], []
-    steps = sorted(set.intersection(*(set(c) for c in per_seed)))
-    means, stds = [], []
-    for s in steps:
-        vals = [c[s] for c in per_seed]
-        m = sum(vals) / len(vals)
-        means.append(m)
-        stds.append(math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0)
-    return steps, means, stds
-
-
-def plot(h: StudyHandle, out_dir: Path | None = None) -> list[Path]:
-    """curves.png (validation metric vs step, mean over seeds with a ±std band) and metric.png (final metric
-    per variant with ±std error bars, best first, the baseline dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir or h.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows, _ = collect_rows(h)
-    metric = h.spec.metric
-    paths = [out_dir / "curves.png", out_dir / "metric.png"]
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    cmap = plt.get_cmap("tab20" if len(rows) > 10 else "tab10")
-    for i, r in enumerate(rows):
-        steps, means, stds = mean_curve(r.curves)
-        if not steps:
-            continue
-        color = cmap(i % cmap.N)
-        ax.plot(steps, means, color=color, lw=2.2 if r.baseline else 1.3, ls="--" if r.baseline else "-",
-                label=f"{r.variant} (n={r.n})" + (" [baseline]" if r.baseline else ""))
-        if r.n > 1:
-            ax.fill_between(steps, [m - s for m, s in zip(means, stds, strict=True)],
-                            [m + s for m, s in zip(means, stds, strict=True)], color=color, alpha=0.15, lw=0)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{h.spec.name}: {metric} during training (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
-    if rows:
-        ax.legend(fontsize=7 if len(rows) > 12 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  ncol=1 if len(rows) <= 24 else 2, frameon=False)
-    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * max(len(rows), 1)))
-    ys = list(range(len(rows)))[::-1]
-    ax.errorbar([r.mean for r in rows], ys, xerr=[r.std for r in rows], fmt="o", capsize=3,
-                color="tab:blue", ecolor="tab:gray")
-    ax.set_yticks(ys, [f"{r.variant} (n={r.n})" for r in rows], fontsize=8)
-    base = next((r for r in rows if r.baseline), None)
-    title = h.spec.name
-    if base is not None:
-        ax.axvline(base.mean, color="tab:red", ls="--", lw=1)
-        title += f"   (dashed: baseline {base.variant})"
-    arrow = "higher" if h.spec.direction == "max" else "lower"
-    ax.set_xlabel(f"final {metric} ({arrow} is better; mean ± std over seeds)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(axis="x", alpha=0.3)
-    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return paths

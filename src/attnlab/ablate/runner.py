@@ -26,6 +26,11 @@ while it was merely frozen gets UpdateFinishedTrialError when it reports: its re
 A trial whose config cannot run is recorded as FAIL with status=invalid and the reason, never retried. A
 trial that raises is FAIL with status=error, the error and the traceback tail, and is tried again while
 the point has fewer than 1 + retries failed (error or lost) attempts.
+
+A finished fit is then evaluated as its recipe defines it (final.py, unless the file says final_eval: false), and
+the trial stores what the tables show: the final scores, its curves (every val/ one and train/loss), parameters,
+steps, tokens, FLOPs per token, tokens/s and its resolved config. A grid trial carries its factor values as
+optuna params with categorical distributions, so optuna-dashboard and optuna.visualization slice by factor.
 """
 
 from __future__ import annotations
@@ -45,20 +50,22 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import torch
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
-from ..checkpoints import latest_checkpoint
+from ..checkpoints import checkpoint_step, latest_checkpoint
 from ..config import ConfigError, ModelConfig, load_yaml
 from ..experiment import Experiment
-from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit
+from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit, resolve_fit
 from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
-from .spec import AblationSpec, fmt, short_key
+from .budget import step_cost, with_flops_budget
+from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
+from .final import DEFAULT_EVALUATE
+from .spec import AblationSpec, Variant, fmt, short_key
 from .study import (
     DONE,
     INVALID,
@@ -82,6 +89,7 @@ class Options:
     """How workers behave. Every worker of a study must use the same heartbeat_s and grace_s."""
 
     fit: str = DEFAULT_FIT  # "module:function" with train.fit's signature; importable by worker processes
+    evaluate: str = DEFAULT_EVALUATE  # "module:function" (exp, run_dir) -> final scores (final.evaluate_run)
     heartbeat_s: int = 30
     grace_s: int = 120  # a RUNNING trial with no heartbeat for this long is lost
     poll_s: float = 10.0  # how often an idle worker looks again while other workers' points run
@@ -177,13 +185,31 @@ def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
                 continue
             attrs = _attrs(p.point_id, p.variant.name, p.variant.overrides, p.seed, s.attempts + 1)
             attrs["variant_key"] = p.variant.key
-            tid, number = _create_running(h, attrs)
+            try:
+                tid, number = _create_running(h, attrs, *grid_params(h.spec, p.variant))
+            except ValueError as e:  # an axis whose values changed since earlier trials: optuna refuses new choices
+                log.warning("%s: factor values not recorded as optuna params (%s)", p.variant.name, e)
+                tid, number = _create_running(h, attrs)
             if _first_live_claim(h, p.point_id, number, grace_s):
                 return Claim(tid, number, p.point_id, p.variant.name, p.variant.overrides, p.seed), busy
             _finish(h, tid, TrialState.FAIL, {"status": "duplicate"})
             log.warning("point %s was claimed by another worker first; trial %d recorded as duplicate",
                         p.variant.name, number)
         return None, busy
+
+
+def grid_params(spec: AblationSpec, variant: Variant) -> tuple[dict[str, Any], dict[str, BaseDistribution]]:
+    """A grid point's factor values as optuna params: each axis (its values the choices) and, for a variants:
+    list, `variant` (the listed names the choices)."""
+    params: dict[str, Any] = {}
+    dists: dict[str, BaseDistribution] = {}
+    for level in variant.levels:
+        key, _, name = level.partition("=")
+        if key == "variant":
+            params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.variant_list])
+        else:
+            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(spec.axes[key])
+    return params, dists
 
 
 def optuna_distributions(spec: AblationSpec) -> dict[str, BaseDistribution]:
@@ -260,35 +286,59 @@ def _finish(h: StudyHandle, trial_id: int, state: TrialState, attrs: dict[str, A
 
 def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any], seed: int) -> Experiment:
     """The experiment a point runs: its own run directory <study>/runs/<name>-<config hash>, named up front
-    so a rerun of the point finds the checkpoint of an earlier, interrupted attempt."""
+    so a rerun of the point finds the checkpoint of an earlier, interrupted attempt. With `budget: {flops: X}`
+    its steps are the ones that spend X (budget.py; a translation trial's data is prepared to measure them)."""
     exp = spec.experiment(overrides, seed)
     exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs")))
+    if spec.budget_flops:
+        exp = with_flops_budget(exp, spec.budget_flops)[0]
     return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}"))
 
 
 def collect(run_dir: Path, exp: Experiment, metric: str) -> dict[str, Any]:
-    """What a finished run reports: the metric's last value, its curve, every val/ curve, params, tokens/s."""
+    """What a finished run reports: the metric's last value and its curve (a logged metric), every val/ and test/
+    curve and train/loss, params, steps, tokens trained, FLOPs per token, median tokens/s, the resolved config."""
     curves = run_metrics(run_dir)
     csv_path = run_dir / "logs" / "metrics.csv"
-    if not curves.get(metric):
-        raise ValueError(f"{metric} was never logged in {csv_path} (columns: {sorted(curves)}); "
-                         f"does trainer.val_every={exp.trainer.val_every} fit in the budget?")
-    model = exp.model
+    out: dict[str, Any] = {"metric_name": metric}
+    if not metric.startswith("final/"):
+        if not curves.get(metric):
+            raise ValueError(f"{metric} was never logged in {csv_path} (columns: {sorted(curves)}); "
+                             f"does trainer.val_every={exp.trainer.val_every} fit in the budget?")
+        out["metric"] = curves[metric][-1][1]
+        out["curve"] = {"step": [s for s, _ in curves[metric]], "value": [v for _, v in curves[metric]]}
+    config = exp.to_dict()
     resolved = run_dir / "config.yaml"
     if resolved.exists():  # the vocabulary the tokenizer gave the run
-        model = ModelConfig.from_dict(load_yaml(resolved)["model"])
+        config = load_yaml(resolved)
     speeds = sorted(v for _, v in curves.get("train/tokens_per_s", []))
+    ckpt = latest_checkpoint(run_dir)
+    steps = checkpoint_step(ckpt) if ckpt is not None else None
+    cost = step_cost(exp)
     return {
-        "metric": curves[metric][-1][1],
-        "n_params": count_parameters(model)["total"],
+        **out,
+        "n_params": count_parameters(ModelConfig.from_dict(config["model"]))["total"],
         "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # median: robust to the first step
-        "curve": {"step": [s for s, _ in curves[metric]], "value": [v for _, v in curves[metric]]},
-        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items() if k.startswith("val/")},
+        "steps": steps if isinstance(steps, int) else None,
+        "tokens": curves["train/tokens"][-1][1] if curves.get("train/tokens") else None,
+        "flops_per_token": cost.flops_per_token,
+        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items()
+                   if k.startswith(("val/", "test/")) or k == "train/loss"},
+        "config": config,
     }
 
 
-def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> str:
-    """Run one claimed point to its recorded end. Returns the status recorded."""
+def _error(h: StudyHandle, claim: Claim, e: Exception) -> str:
+    tb = traceback.format_exc()
+    _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
+                                                 "traceback": tb[-4000:]})
+    log.warning("trial %d %s seed %d failed: %s: %s", claim.number, claim.variant, claim.seed, type(e).__name__, e)
+    return "error"
+
+
+def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, evaluate: FitFn | None = None) -> str:
+    """Run one claimed point to its recorded end: fit, collect, the final evaluation (`evaluate`, default
+    final.evaluate_run) unless the file says final_eval: false. Returns the status recorded."""
     beat = Heartbeat(h.storage, claim.trial_id, heartbeat_s)
     beat.start()
     try:
@@ -298,6 +348,8 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": INVALID, "reason": str(e)})
             log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
             return INVALID
+        except Exception as e:  # the data a FLOPs budget is measured on
+            return _error(h, claim, e)
         run_dir = exp.run_dir()
         ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
         resume = ckpt is not None
@@ -309,20 +361,19 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
         t0 = time.perf_counter()
         try:
             out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
-            result = collect(Path(out) if out else run_dir, exp, h.spec.metric)
+            run_dir = Path(out) if out else run_dir
+            result = collect(run_dir, exp, h.spec.metric)
+            result["wall_s"] = time.perf_counter() - t0  # training; the final evaluation's time is its own
+            if h.spec.final_eval:
+                result["final"] = (evaluate or resolve_fit(DEFAULT_EVALUATE))(exp, run_dir)
         except KeyboardInterrupt:
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
             raise
         except Exception as e:
-            tb = traceback.format_exc()
-            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
-                                                         "traceback": tb[-4000:]})
-            log.warning("trial %d %s seed %d failed: %s: %s", claim.number, claim.variant, claim.seed,
-                        type(e).__name__, e)
-            return "error"
-        result["wall_s"] = time.perf_counter() - t0
-        value = result["metric"]
-        if not math.isfinite(value):
+            return _error(h, claim, e)
+        metric = h.spec.metric
+        value = result["final"].get(metric.removeprefix("final/")) if metric.startswith("final/") else result["metric"]
+        if value is None or not math.isfinite(value):
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{h.spec.metric} = {value}"})
             return "error"
         ok = _finish(h, claim.trial_id, TrialState.COMPLETE, result, value)
@@ -335,6 +386,7 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float) -> s
 def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     """A worker: claim, run, repeat; wait while other workers' points may still come back; return trials run."""
     fit_fn = fit or local_fit(opts.fit)
+    evaluate = resolve_fit(opts.evaluate)
     n = 0
     while opts.max_trials is None or n < opts.max_trials:
         claim, busy = claim_next(h, opts.grace_s)
@@ -343,7 +395,7 @@ def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
                 break
             time.sleep(opts.poll_s)  # a running point may still be lost and need running again
             continue
-        run_claim(h, claim, fit_fn, opts.heartbeat_s)
+        run_claim(h, claim, fit_fn, opts.heartbeat_s, evaluate)
         n += 1
     return n
 
@@ -352,61 +404,11 @@ def worker_command(spec_path: Path, study_dir: Path, storage: str, opts: Options
     """The command line of one worker process: what `ablate run --workers N` starts N times, and what each
     task of an `ablate submit` array job runs (`srun`: trials as srun steps; exit when nothing is pending)."""
     cmd = [sys.executable, "-m", "attnlab", "ablate", "worker", str(spec_path), "--dir", str(study_dir),
-           "--storage", storage, "--fit", opts.fit, "--heartbeat", str(opts.heartbeat_s), "--grace", str(opts.grace_s),
-           "--poll", str(opts.poll_s)]
+           "--storage", storage, "--fit", opts.fit, "--evaluate", opts.evaluate, "--heartbeat", str(opts.heartbeat_s),
+           "--grace", str(opts.grace_s), "--poll", str(opts.poll_s)]
     if opts.max_trials is not None:
         cmd += ["--max-trials", str(opts.max_trials)]
     return cmd + (["--srun", "--no-linger"] if srun else [])
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's list when it is set,
-    else every device torch sees; [] without CUDA."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-
-
-def visible_devices_label() -> str:
-    """What a trial records as the devices it ran on (user attr cuda_visible_devices)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return env
-    return "all" if torch.cuda.is_available() else "cpu"
-
-
-def gpu_slices(gpus: list[str], workers: int, per_trial: int, workers_per_gpu: int = 1) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES of each of `workers` local workers: worker i gets the GPUs of group i // K (K =
-    workers_per_gpu), a group being `per_trial` consecutive GPUs of `gpus`; so two workers share GPUs only when
-    K > 1. None when there are no GPUs (CPU trials). Too few GPUs is a ConfigError, before anything starts."""
-    if not gpus:
-        return None
-    if workers_per_gpu < 1:
-        raise ConfigError(f"--workers-per-gpu {workers_per_gpu} must be >= 1")
-    if per_trial < 1:
-        raise ConfigError(f"trainer.devices={per_trial}: local workers on GPUs need a device count per trial "
-                          "(resources.devices in the ablation file), not -1")
-    if len(set(gpus)) != len(gpus):
-        raise ConfigError(f"--gpus {','.join(gpus)}: a GPU is listed twice")
-    groups = -(-workers // workers_per_gpu)  # ceil
-    if groups * per_trial > len(gpus):
-        raise ConfigError(
-            f"--workers {workers} with {per_trial} GPU(s) per trial and --workers-per-gpu {workers_per_gpu} need "
-            f"{groups * per_trial} GPUs; {len(gpus)} are given ({','.join(gpus)}): lower --workers or raise "
-            "--workers-per-gpu")
-    return [",".join(gpus[(i // workers_per_gpu) * per_trial:(i // workers_per_gpu + 1) * per_trial])
-            for i in range(workers)]
-
-
-def trial_devices(spec: AblationSpec) -> int:
-    """Devices per trial (resources.devices, else the base recipe's trainer.devices); one size for all trials."""
-    varied = {k for v in spec.variants() for k in v.overrides} if not spec.is_search else \
-        {d.key for d in spec.distributions}
-    if "trainer.devices" in varied:
-        raise ConfigError(f"{spec.path}: trainer.devices varies across trials; a local worker's GPUs are one slice "
-                          "(run one study per device count)")
-    return spec.experiment({}).trainer.devices
 
 
 def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | None = None, workers: int = 1,

@@ -3,11 +3,15 @@ search), seeds, the metric and its direction, the budget and resources of one tr
 
     name: block_variants                      # default: the file's stem
     base: ../experiments/demo_en_de.yaml      # relative to this file
-    metric: {name: val/bleu, direction: max}
+    metric: {name: final/valid_bleu, direction: max}   # or the last value of a curve: val/bleu, val/loss, ...
     seeds: [1, 2]                             # or a count: 2 means [1, 2]
     budget: {steps: 2000}                     # trainer.max_steps and the schedule's optim.max_steps;
                                               # {time_min: 30} sets trainer.max_time_min (a cosine or wsd
-                                              # schedule then needs optim.max_steps under overrides:)
+                                              # schedule then needs optim.max_steps under overrides:);
+                                              # {flops: 1.0e15}: each variant the steps that spend that (budget.py)
+    final_eval: true                          # evaluate each trial as its recipe says (final.py); the default
+    columns: [metric, params, flops, steps, {PPL: final/valid_ppl}, {d_k: model.d_k}]   # of the table
+    significance: {level: 0.05, resamples: 1000, seed: 12345, holm: false}   # against the baseline row
     resources: {devices: 1}                   # per trial; devices also sets trainer.devices
     retries: 2                                # a failing point is tried 1 + retries times
     overrides: {trainer.val_every: 500}       # applied to every trial
@@ -45,13 +49,23 @@ from typing import Any
 
 from ..config import ConfigError, load_yaml
 from ..experiment import SECTIONS, Experiment, apply_override, from_raw, load_raw
+from .columns import (
+    DEFAULT_COLUMNS,
+    DEFAULT_TABLE,
+    SIGNIFICANCE,
+    Column,
+    check_metric,
+    parse_columns,
+    parse_significance,
+)
+from .columns import need as _need
 
 TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
-            "axes", "variants", "search", "n_trials", "distributions", "search_seed")
+            "axes", "variants", "search", "n_trials", "distributions", "search_seed", "final_eval", "columns",
+            "significance")
 HORIZON_SCHEDULES = ("cosine", "wsd")  # the schedules that decay towards optim.max_steps
 RESOURCE_KEYS = ("devices", "nodes", "cpus", "mem_gb", "time_min", "partition")
 DIST_TYPES = ("float", "int", "log", "categorical")
-TRANSLATION_ONLY = ("val/bleu", "val/chrf")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -101,6 +115,10 @@ class AblationSpec:
     seeds: tuple[int, ...]
     budget_steps: int | None = None
     budget_time_min: float | None = None
+    budget_flops: float | None = None  # training FLOPs per trial: steps per variant from the accounting (budget.py)
+    final_eval: bool = True
+    columns: tuple[Column, ...] = DEFAULT_TABLE
+    significance: dict[str, Any] = field(default_factory=lambda: dict(SIGNIFICANCE))
     resources: dict[str, Any] = field(default_factory=dict)
     retries: int = 2
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -187,7 +205,8 @@ class AblationSpec:
         """What a study stores about its spec (JSON), so status, tables and plots need no files."""
         return {"name": self.name, "path": str(self.path), "base": str(self.base), "metric": self.metric,
                 "direction": self.direction, "seeds": list(self.seeds), "retries": self.retries,
-                "search": self.is_search, "n_trials": self.n_trials}
+                "search": self.is_search, "n_trials": self.n_trials, "final_eval": self.final_eval,
+                "budget_flops": self.budget_flops}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -243,11 +262,6 @@ def coerce(value: Any, tp: Any) -> Any:
     return value
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 # ---------------------------------------------------------------------------------------------- loading
 def load_spec(path: str | Path) -> AblationSpec:
     """Read and check an ablation file. Needs the base recipe, never the data."""
@@ -264,11 +278,14 @@ def load_spec(path: str | Path) -> AblationSpec:
 
     metric = raw.get("metric", {"name": "val/loss", "direction": "min"})
     if isinstance(metric, str):
-        metric = {"name": metric, "direction": "max" if metric in TRANSLATION_ONLY else "min"}
+        metric = {"name": metric}
     _need(isinstance(metric, dict) and set(metric) <= {"name", "direction"} and "name" in metric,
           f"{src}: metric: expected {{name: val/bleu, direction: max}}, got {metric!r}")
-    direction = metric.get("direction", "min")
+    direction = metric.get("direction", "max" if str(metric["name"]).endswith(("bleu", "chrf")) else "min")
     _need(direction in ("max", "min"), f"{src}: metric.direction={direction!r} is not one of: max, min")
+    final_eval = raw.get("final_eval", True)
+    _need(isinstance(final_eval, bool), f"{src}: final_eval={final_eval!r} must be true or false")
+    check_metric(str(metric["name"]), final_eval, f"{src}: metric")
 
     seeds = raw.get("seeds", [1])
     if isinstance(seeds, int) and not isinstance(seeds, bool):
@@ -278,11 +295,14 @@ def load_spec(path: str | Path) -> AblationSpec:
           and len(set(seeds)) == len(seeds), f"{src}: seeds must be a count or a list of distinct ints, got {seeds!r}")
 
     budget = raw.get("budget") or {}
-    _need(isinstance(budget, dict) and set(budget) <= {"steps", "time_min"},
-          f"{src}: budget: expected {{steps: N}} and/or {{time_min: M}}, got {budget!r}")
-    steps, time_min = budget.get("steps"), budget.get("time_min")
+    _need(isinstance(budget, dict) and set(budget) <= {"steps", "time_min", "flops"},
+          f"{src}: budget: expected {{steps: N}}, {{flops: X}} and/or {{time_min: M}}, got {budget!r}")
+    steps, time_min, flops = budget.get("steps"), budget.get("time_min"), coerce(budget.get("flops"), float)
     _need(steps is None or (isinstance(steps, int) and steps >= 1),
           f"{src}: budget.steps={steps!r} must be an int >= 1")
+    _need(flops is None or (isinstance(flops, (int, float)) and not isinstance(flops, bool) and flops > 0),
+          f"{src}: budget.flops={flops!r} must be a number > 0 (training FLOPs of each trial, e.g. 1.0e15)")
+    _need(steps is None or flops is None, f"{src}: budget: give steps: or flops:, not both")
     _need(time_min is None or (isinstance(time_min, (int, float)) and time_min > 0),
           f"{src}: budget.time_min={time_min!r} must be a number > 0")
 
@@ -297,8 +317,8 @@ def load_spec(path: str | Path) -> AblationSpec:
     axes = _axes(raw.get("axes") or {}, src)
     variant_list = _variants(raw.get("variants") or [], src)
     reserved = {"trainer.seed": "seeds:"}
-    if steps is not None:
-        reserved["trainer.max_steps"] = "budget.steps"
+    if steps is not None or flops is not None:
+        reserved["trainer.max_steps"] = "budget.steps" if steps is not None else "budget.flops"
     if time_min is not None:
         reserved["trainer.max_time_min"] = "budget.time_min"
     for k in [*axes, *overrides, *(k for v in variant_list for k in v.overrides)]:
@@ -319,15 +339,18 @@ def load_spec(path: str | Path) -> AblationSpec:
     else:
         _need(not dists and "n_trials" not in raw, f"{src}: distributions:/n_trials: need search: optuna")
         _need(bool(axes or variant_list), f"{src}: nothing varies: give axes:, variants:, or search: optuna")
-    if metric["name"] in TRANSLATION_ONLY:
-        arch = load_raw(base).get("model", {}).get("arch", "encoder_decoder")
-        _need(arch == "encoder_decoder", f"{src}: metric {metric['name']} is logged by translation experiments only; "
-              f"base {raw['base']} has model.arch={arch}")
-
+    columns = parse_columns(raw.get("columns", list(DEFAULT_COLUMNS)), final_eval, src)
+    significance = parse_significance(raw.get("significance"), src)
+    arch = load_raw(base).get("model", {}).get("arch", "encoder_decoder")
+    for name in [str(metric["name"]), *(c.source for c in columns if c.kind == "metric")]:
+        _need(arch == "encoder_decoder" or not name.endswith(("bleu", "chrf")),
+              f"{src}: {name} is scored for translation experiments only; base {raw['base']} has model.arch={arch}")
     spec = AblationSpec(
         name=str(raw.get("name", path.stem)), path=path, base=base, metric=str(metric["name"]), direction=direction,
         seeds=tuple(seeds), budget_steps=steps, budget_time_min=float(time_min) if time_min else None,
-        resources=dict(resources), retries=retries, overrides=overrides, axes=axes, variant_list=variant_list,
+        budget_flops=float(flops) if flops else None, final_eval=final_eval, columns=columns,
+        significance=significance, resources=dict(resources), retries=retries, overrides=overrides, axes=axes,
+        variant_list=variant_list,
         distributions=dists, n_trials=n_trials if search else 0, search_seed=int(raw.get("search_seed", 0)),
         description=str(raw.get("description", "")),
     )

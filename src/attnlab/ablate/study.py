@@ -3,7 +3,8 @@
 Each grid point is a (variant, seed) with a stable `point_id`; a search's points are made by its trials. A
 trial's state and user attrs (status, heartbeat, worker) say where its point stands: done, invalid, running,
 stale (a worker stopped stamping its heartbeat), failed (more failed attempts than `retries`) or pending.
-runner.py claims and runs points; report.py turns the finished ones into tables and plots.
+runner.py claims and runs points; report.py turns the finished ones into tables and plots, reading each
+trial's value of a metric with `trial_value` (a final score, or the last value of a logged curve).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
@@ -243,6 +245,24 @@ def write_record(spec: AblationSpec, study_dir: Path, url: str) -> None:
     tmp = study_dir / stamped(".study.yaml", ".tmp")  # replaced in one rename: a killed worker leaves no half file
     tmp.write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
     os.replace(tmp, study_dir / "study.yaml")
+
+
+# ---------------------------------------------------------------------------------------------- results
+def final_scores(t: FrozenTrial, study_attrs: dict[str, Any]) -> dict[str, Any]:
+    """A trial's final evaluation: the one `ablate evaluate` stored in the study for it, else its own (final.py)."""
+    return study_attrs.get(f"final:{t.number}") or t.user_attrs.get("final") or {}
+
+
+def trial_value(t: FrozenTrial, metric: str, study_attrs: dict[str, Any]) -> float | None:
+    """The trial's value of `metric`: final/<name> from its final evaluation, else the last value of that logged
+    curve (val/bleu, val/loss, train/loss). None when the trial has none."""
+    if metric.startswith("final/"):
+        value = final_scores(t, study_attrs).get(metric.removeprefix("final/"))
+        return None if value is None else float(value)
+    curve = (t.user_attrs.get("curves") or {}).get(metric)
+    if curve:
+        return float(curve[-1][1])
+    return float(t.value) if t.user_attrs.get("metric_name") == metric and t.value is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -22,7 +22,6 @@ import yaml
 
 from ..config import ConfigError, load_yaml
 from ..experiment import load_raw
-from ..launch.job import DEFAULT_FIT
 from ..launch.slurm import (
     check_path,
     check_study_name,
@@ -46,8 +45,9 @@ def submit_study(args: argparse.Namespace) -> int:
     """`attnlab ablate submit`: snapshot code and configs, render the worker array script, sbatch it."""
     spec = load_spec(args.spec)
     check_study_name(spec.name)
-    if args.fit != DEFAULT_FIT and not _FIT.match(args.fit):
-        raise ConfigError(f"--fit {args.fit!r}: expected module:function")
+    for flag, value in (("--fit", args.fit), ("--evaluate", args.evaluate)):
+        if not _FIT.match(value):
+            raise ConfigError(f"{flag} {value!r}: expected module:function")
     study_dir = check_path(Path(args.dir).resolve() if args.dir else default_study_dir(spec).resolve(), "--dir")
     recorded = study_dir / "study.yaml"
     storage = storage_url(study_dir, args.storage)
@@ -89,7 +89,8 @@ def submit_study(args: argparse.Namespace) -> int:
     raw.update(name=spec.name, base="experiment.yaml")
     raw["resources"] = {**(raw.get("resources") or {}), "devices": res.tasks_per_node, "nodes": res.nodes}
     raw["overrides"] = {**(raw.get("overrides") or {}), "trainer.num_nodes": res.nodes}
-    opts = Options(fit=args.fit, heartbeat_s=args.heartbeat, grace_s=args.grace, poll_s=args.poll)
+    opts = Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
+                   poll_s=args.poll)
     worker = worker_command(spec_copy, study_dir, storage, opts, srun=True)
     template, source = read_template("ablate_worker.sbatch", args.template)
     directives = res.directives(snapshot / "logs", "worker-%A_%a.log", array)

@@ -32,6 +32,7 @@ class BaseModule(L.LightningModule):
         self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
         self.tokenizer_files: dict[str, str] | None = None  # Tokenizer.to_files(): every checkpoint carries them
+        self._tokens: torch.Tensor | int = 0  # target tokens trained on, all ranks together (kept in checkpoints)
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
         self._step_tokens = torch.zeros(())  # loss tokens of the micro-batches of the optimizer step under way
@@ -82,6 +83,9 @@ class BaseModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/nll", nll / n)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        # every rank adds every rank's tokens (one scalar all-reduce a step under DDP), so each holds the run's total
+        self._tokens = self._tokens + self.trainer.strategy.reduce(n_tokens.detach().long(), reduce_op="sum")
+        self.log("train/tokens", self._tokens.double())
         if self._last_step_time is not None:  # tokens of this step over the time since the last one
             self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
         self._last_step_time = now
@@ -118,9 +122,11 @@ class BaseModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would; and the
-        tokenizer, so that the checkpoint alone translates or generates."""
+        """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would; the tokens
+        trained so far, so its train/tokens count goes on; and the tokenizer, so that the checkpoint alone
+        translates or generates."""
         checkpoint["rng"] = {"torch": torch.get_rng_state()}
+        checkpoint["tokens_trained"] = int(self._tokens)
         if self.tokenizer_files is not None:  # plain strings: they load with weights-only unpickling
             checkpoint["tokenizer"] = dict(self.tokenizer_files)
         if torch.cuda.is_available():
@@ -128,6 +134,7 @@ class BaseModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._rng_to_restore = checkpoint.get("rng")
+        self._tokens = int(checkpoint.get("tokens_trained", 0))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # restored here, not at load time: the loops draw random numbers between loading and the first batch

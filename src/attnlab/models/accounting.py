@@ -5,7 +5,8 @@ every variant (tests check the whole grid), so a billion-parameter config is siz
 
 Training FLOPs follow Kaplan et al. 2020 (arXiv:2001.08361) and PaLM (arXiv:2204.02311, appendix B):
 6 FLOPs per parameter per token for every matmul weight (2 forward + 4 backward), plus the attention
-score and value products, 12 * d_attn * (key length) per query token per layer. As in PaLM the causal
+score and value products, 6 * n_heads * (d_k + d_v) * (key length) per query token per layer
+(12 * d_attn when d_k = d_v). As in PaLM the causal
 mask is not credited (the kernels skip about half of it; MFU figures stay comparable with PaLM's).
 Embedding lookups cost no FLOPs; the output projection counts even when tied to the embedding.
 """
@@ -25,13 +26,13 @@ def linear_params(n_in: int, n_out: int, bias: bool) -> int:
 
 
 def attention_params(cfg: ModelConfig, cross: bool = False) -> dict[str, int]:
-    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.d_k, cfg.kv_heads * (cfg.d_k + cfg.d_v)
     if cross:
-        proj = {"q": linear_params(d, q_dim, cfg.attn_bias), "kv": linear_params(d, 2 * kv_dim, cfg.attn_bias)}
+        proj = {"q": linear_params(d, q_dim, cfg.attn_bias), "kv": linear_params(d, kv_dim, cfg.attn_bias)}
     else:
-        proj = {"qkv": linear_params(d, q_dim + 2 * kv_dim, cfg.attn_bias)}
-    proj["out"] = linear_params(q_dim, d, cfg.attn_bias)
-    proj["qk_norm"] = 2 * norm_params(cfg, cfg.head_dim) if cfg.qk_norm else 0
+        proj = {"qkv": linear_params(d, q_dim + kv_dim, cfg.attn_bias)}
+    proj["out"] = linear_params(cfg.n_heads * cfg.d_v, d, cfg.attn_bias)
+    proj["qk_norm"] = 2 * norm_params(cfg, cfg.d_k) if cfg.qk_norm else 0
     return proj
 
 
@@ -93,7 +94,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, src_len: int | None = None) -
     """Training FLOPs (forward + backward) for ONE sequence (decoder-only, encoder-only) or ONE pair
     (encoder-decoder: `src_len` source tokens, `seq_len` target tokens), by component, plus 'total' and
     'per_token' (per target token for encoder-decoder, per token otherwise)."""
-    d_attn = cfg.n_heads * cfg.head_dim
+    qkv = cfg.n_heads * (cfg.d_k + cfg.d_v)  # q.k over d_k and weights.v over d_v, per key, all heads
     T = seq_len
     S = src_len if src_len is not None else seq_len
     out: dict[str, float] = {}
@@ -103,13 +104,13 @@ def training_flops(cfg: ModelConfig, seq_len: int, src_len: int | None = None) -
         dense = n_layers * (blk["self_attention"] + blk["ffn"] + blk["norms"])
         dense += norm_params(cfg) * (cfg.final_norm + cfg.embed_norm)
         out[f"{name}.dense"] = 6.0 * dense * tokens
-        out[f"{name}.attention"] = 12.0 * n_layers * d_attn * tokens * tokens
+        out[f"{name}.attention"] = 6.0 * n_layers * qkv * tokens * tokens
         if cross:
             cross_p = attention_params(cfg, cross=True)
             # K/V projections read the source tokens; Q and output projections the target tokens
             per_target = cross_p["q"] + cross_p["out"] + cross_p["qk_norm"]
             out[f"{name}.cross_dense"] = 6.0 * n_layers * (cross_p["kv"] * S + per_target * tokens)
-            out[f"{name}.cross_attention"] = 12.0 * n_layers * d_attn * tokens * S
+            out[f"{name}.cross_attention"] = 6.0 * n_layers * qkv * tokens * S
 
     if cfg.arch == "encoder_decoder":
         stack("encoder", cfg.n_enc_layers, S, cross=False)

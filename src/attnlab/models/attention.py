@@ -110,7 +110,7 @@ class StaticKVCache(KVCache):
         B, Hkv, T, hd = k.shape
         if self.keys[layer] is None:
             self.keys[layer] = k.new_zeros(B, Hkv, self.max_len, hd)  # (B, Hkv, L, hd)
-            self.values[layer] = v.new_zeros(B, Hkv, self.max_len, hd)
+            self.values[layer] = v.new_zeros(B, Hkv, self.max_len, v.shape[-1])  # (B, Hkv, L, hd_v)
         keys, values = self.keys[layer], self.values[layer]
         if not isinstance(self.pos, torch.Tensor):
             end = self.pos + T
@@ -167,14 +167,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, cross: bool = False) -> None:
         super().__init__()
         self.cross = cross
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.n_heads, self.n_kv, self.hd, self.hd_v = cfg.n_heads, cfg.kv_heads, cfg.d_k, cfg.d_v
+        d, q_dim, k_dim, v_dim = cfg.d_model, cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k, cfg.kv_heads * cfg.d_v
         if cross:  # queries from the decoder, keys/values from the encoder output
             self.q_proj = nn.Linear(d, q_dim, bias=cfg.attn_bias)
-            self.kv_proj = nn.Linear(d, 2 * kv_dim, bias=cfg.attn_bias)
+            self.kv_proj = nn.Linear(d, k_dim + v_dim, bias=cfg.attn_bias)
         else:  # one fused projection: a single matmul for Q, K and V
-            self.qkv_proj = nn.Linear(d, q_dim + 2 * kv_dim, bias=cfg.attn_bias)
-        self.out_proj = nn.Linear(q_dim, d, bias=cfg.attn_bias)
+            self.qkv_proj = nn.Linear(d, q_dim + k_dim + v_dim, bias=cfg.attn_bias)
+        self.out_proj = nn.Linear(cfg.n_heads * cfg.d_v, d, bias=cfg.attn_bias)
         self.q_norm = make_norm(cfg, self.hd) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.hd) if cfg.qk_norm else None
         self.backend = cfg.attention_backend
@@ -201,8 +201,8 @@ class Attention(nn.Module):
             if cached is None:
                 assert memory is not None, "cross-attention needs the encoder output"
                 S = memory.shape[1]
-                kv = self.kv_proj(memory).view(B, S, 2, self.n_kv, self.hd)  # (B, S, 2, Hkv, hd)
-                k, v = kv.unbind(2)  # (B, S, Hkv, hd) each
+                k, v = self.kv_proj(memory).split([self.n_kv * self.hd, self.n_kv * self.hd_v], dim=-1)
+                k, v = k.view(B, S, self.n_kv, self.hd), v.view(B, S, self.n_kv, self.hd_v)  # (B, S, Hkv, hd|hd_v)
                 k = self.k_norm(k) if self.k_norm is not None else k
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, hd)
                 if cache is not None:
@@ -212,19 +212,19 @@ class Attention(nn.Module):
             q = self.q_norm(q) if self.q_norm is not None else q
             q = q.transpose(1, 2)  # (B, H, T, hd)
         else:
-            qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) hd)
-            q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+            qkv = self.qkv_proj(x)  # (B, T, (H + Hkv) hd + Hkv hd_v)
+            q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd_v], dim=-1)
             q = q.view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
             k = k.view(B, T, self.n_kv, self.hd)  # (B, T, Hkv, hd)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd_v).transpose(1, 2)
             if rope is not None:  # rotate new queries and keys at their absolute positions
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H|Hkv, T, hd)
             if cache is not None:  # every key/value so far, (B, Hkv, Tk, hd); a static cache may replace the mask
                 k, v, mask = cache.append(layer, k, v, mask)
-        y = self._attend(q, k, v, mask)  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)  # (B, T, H*hd)
+        y = self._attend(q, k, v, mask)  # (B, H, T, hd_v)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd_v)  # (B, T, H*hd_v)
         return self.out_proj(y)  # (B, T, d)
 
     # ------------------------------------------------------------------------------------------

@@ -119,10 +119,9 @@ class _Model(nn.Module):
                 if cfg.init == "xavier":
                     # a fused projection is initialised as its separate parts would be
                     if name.endswith("qkv_proj"):
-                        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-                        parts = [q_dim, kv_dim, kv_dim]
+                        parts = [cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k, cfg.kv_heads * cfg.d_v]
                     elif name.endswith("kv_proj"):
-                        parts = [cfg.kv_heads * cfg.head_dim] * 2
+                        parts = [cfg.kv_heads * cfg.d_k, cfg.kv_heads * cfg.d_v]
                     elif name.endswith("fc1") and cfg.gated:
                         parts = [cfg.ffn_dim] * 2
                     else:

@@ -1,0 +1,96 @@
+"""What an ablation file says about its results: the metric (a final score or a logged curve), the columns of
+its table, and the significance test against the baseline row. Parsed here for spec.py; report.py reads them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError
+from ..experiment import SECTIONS
+
+FINAL_METRIC = re.compile(r"^final/(valid|test)_(loss|ppl|bleu|chrf)$")  # what a final evaluation stores
+# table columns that are neither a metric nor a config attribute, with their headers
+BUILT_IN_COLUMNS = {"metric": "", "params": "params", "flops": "FLOPs/token", "train_flops": "train FLOPs",
+                    "steps": "steps", "tokens": "tokens", "tokens_per_s": "tokens/s", "wall": "wall"}
+DEFAULT_COLUMNS = ("metric", "params", "tokens_per_s", "wall")
+SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "holm": False}
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the table: its header and what it shows: a BUILT_IN_COLUMNS name, a metric (final/..., or the
+    last value of a logged curve such as val/ppl) or an attribute of a trial's config (model.d_ff, model.d_k)."""
+
+    label: str
+    source: str
+
+    @property
+    def kind(self) -> str:
+        if self.source in BUILT_IN_COLUMNS:
+            return "built_in"
+        return "metric" if "/" in self.source else "config"
+
+
+DEFAULT_TABLE = tuple(Column(BUILT_IN_COLUMNS[c], c) for c in DEFAULT_COLUMNS)
+
+
+def check_metric(name: str, final_eval: bool, where: str) -> None:
+    """final/<valid|test>_<loss|ppl|bleu|chrf> (needs final_eval), or a logged curve (val/..., test/...)."""
+    if name.startswith("final/"):
+        need(FINAL_METRIC.match(name) is not None,
+             f"{where}: {name} is not a final score; expected final/<valid|test>_<loss|ppl|bleu|chrf>")
+        need(final_eval, f"{where}: {name} needs the final evaluation; remove final_eval: false")
+    else:
+        need(name.count("/") == 1 and all(name.split("/")),
+             f"{where}: {name!r} is neither final/<split>_<score> nor a logged curve such as val/loss")
+
+
+def parse_columns(items: Any, final_eval: bool, src: str) -> tuple[Column, ...]:
+    """`columns:` entries: a name (params, final/test_bleu, model.d_ff) or {header: name}."""
+    need(isinstance(items, list) and items, f"{src}: columns must be a non-empty list")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and len(item) == 1:
+            label, source = next(iter(item.items()))
+        elif isinstance(item, str):
+            label, source = BUILT_IN_COLUMNS.get(item, item), item
+        else:
+            raise ConfigError(f"{src}: columns[{i}]={item!r}: expected a name or {{header: name}}")
+        column = Column(str(label), str(source))
+        where = f"{src}: columns[{i}] ({source})"
+        if column.kind == "metric":
+            check_metric(column.source, final_eval, where)
+        elif column.kind == "config":
+            section, _, attr = column.source.partition(".")
+            need(section in SECTIONS and attr and not callable(getattr(SECTIONS[section], attr, len)),
+                 f"{where}: expected one of {', '.join(BUILT_IN_COLUMNS)}, a metric (final/test_bleu, val/ppl) "
+                 "or a config attribute (model.d_ff, model.ffn_dim, model.d_k)")
+        out.append(column)
+    need(sum(c.source == "metric" for c in out) <= 1, f"{src}: columns: metric appears twice")
+    if not any(c.source == "metric" for c in out):
+        out.insert(0, Column("", "metric"))  # the study's metric, its difference and significance: always shown
+    return tuple(out)
+
+
+def parse_significance(raw: Any, src: str) -> dict[str, Any]:
+    """`significance: {level, resamples, seed, holm}` over the defaults in SIGNIFICANCE."""
+    raw = raw or {}
+    bad = [k for k in raw if k not in SIGNIFICANCE] if isinstance(raw, dict) else ["(not a mapping)"]
+    need(not bad, f"{src}: significance: unknown key(s) {bad}; expected some of {', '.join(SIGNIFICANCE)}")
+    out = {**SIGNIFICANCE, **raw}
+    level = out["level"]
+    need(isinstance(level, (int, float)) and not isinstance(level, bool) and 0 < level < 1,
+         f"{src}: significance.level={level!r} must be in (0, 1)")
+    for k in ("resamples", "seed"):  # sacreBLEU takes seed 0 for "no seed": a reproducible test needs >= 1
+        need(isinstance(out[k], int) and not isinstance(out[k], bool) and out[k] >= 1,
+             f"{src}: significance.{k}={out[k]!r} must be an int >= 1")
+    need(isinstance(out["holm"], bool), f"{src}: significance.holm must be true or false")
+    return {**out, "level": float(level)}
+
+
+def need(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless cond: the check every key of an ablation file goes through."""
+    if not cond:
+        raise ConfigError(msg)

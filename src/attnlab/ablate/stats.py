@@ -1,0 +1,131 @@
+"""Is a difference against the baseline real? The tests the tables use, none of them written by hand:
+
+- BLEU and chrF with hypotheses: paired bootstrap resampling, sacreBLEU's own implementation
+  (`sacrebleu.significance.PairedTest`, test_type "bs"; Koehn 2004): the p-value that `sacrebleu REF -i BASE SYS
+  --paired-bs --paired-bs-n N` prints with SACREBLEU_SEED=seed. The 95% CI of the difference comes from the same
+  resamples: sacreBLEU's `_bootstrap_resample` draws the indices from the same seed for both systems, so each
+  resample pairs the baseline's segments with the system's, and sacreBLEU's `estimate_ci` of the differences
+  gives mean ± half the 2.5-97.5 percentile range.
+- Metrics without hypotheses (loss, perplexity, a logged val/ curve): over the seeds, Welch's t-test and the CI
+  of the difference of the means on Welch-Satterthwaite's degrees of freedom (scipy.stats.ttest_ind); a mean's
+  CI is a t interval.
+- Several rows against one baseline: Holm's step-down correction (Holm 1979), when the file asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import sacrebleu
+from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.significance import PairedTest, _bootstrap_resample, estimate_ci
+from scipy import stats
+
+SCORERS = {"bleu": BLEU, "chrf": CHRF}
+
+
+@dataclass
+class Comparison:
+    """A row against the baseline: the p-value and the 95% CI of (row - baseline)."""
+
+    method: str  # "paired bootstrap" or "Welch"
+    p_value: float
+    ci_low: float
+    ci_high: float
+    per_seed: dict[int, float] = field(default_factory=dict)  # bootstrap p-value of each seed both rows have
+    seeds: tuple[int, ...] = ()  # the seeds it was computed on
+    p_holm: float | None = None
+
+
+@contextmanager
+def sacrebleu_seed(seed: int) -> Iterator[None]:
+    """sacreBLEU reads its resampling seed from the environment (SACREBLEU_SEED), as its command line does."""
+    before = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SACREBLEU_SEED", None)
+        else:
+            os.environ["SACREBLEU_SEED"] = before
+
+
+def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequence[str], metric: str,
+                     resamples: int, seed: int) -> tuple[float, float, float]:
+    """(p-value, CI low, CI high) of metric(hyps) - metric(base_hyps) by sacreBLEU's paired bootstrap."""
+    if not len(base_hyps) == len(hyps) == len(refs):
+        raise ValueError(f"paired bootstrap needs as many segments in each: baseline {len(base_hyps)}, "
+                         f"system {len(hyps)}, references {len(refs)}")
+    scorer = SCORERS[metric]
+    with sacrebleu_seed(seed):
+        _, results = PairedTest([("baseline", list(base_hyps)), ("system", list(hyps))], {metric: scorer()},
+                                [list(refs)], test_type="bs", n_samples=resamples)()
+        name = next(k for k in results if k != "System")
+        p_value = float(results[name][1].p_value)
+        m = scorer()
+        resampled = [_bootstrap_resample(m._extract_corpus_statistics(list(h), [list(refs)]), m, resamples)[1]
+                     for h in (base_hyps, hyps)]
+    diffs = np.array([s.score - b.score for b, s in zip(*resampled, strict=True)])
+    if not diffs.any():  # the two score alike on every resample (the same hypotheses): no difference at all.
+        p_value = 1.0  # sacreBLEU's count gives 1 / (resamples + 1) here, "significant"
+    mean, half = estimate_ci(diffs)
+    return p_value, float(mean - half), float(mean + half)
+
+
+def welch(base: Sequence[float], values: Sequence[float]) -> tuple[float, float, float]:
+    """(p-value, CI low, CI high) of mean(values) - mean(base) by Welch's t-test (NaN with fewer than 2 each)."""
+    if len(base) < 2 or len(values) < 2:
+        return math.nan, math.nan, math.nan
+    res = stats.ttest_ind(values, base, equal_var=False)
+    ci = res.confidence_interval(0.95)
+    return float(res.pvalue), float(ci.low), float(ci.high)
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """The t-distribution CI of the mean of `values` (NaN for fewer than 2)."""
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan
+    mean, sd = float(np.mean(values)), float(np.std(values, ddof=1))
+    low, high = stats.t.interval(level, n - 1, loc=mean, scale=sd / math.sqrt(n)) if sd > 0 else (mean, mean)
+    return float(low), float(high)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values: the i-th smallest times (m - i + 1), made monotone, at most 1."""
+    m = len(p_values)
+    adjusted = [math.nan] * m
+    running = 0.0
+    for rank, i in enumerate(sorted(range(m), key=lambda j: p_values[j])):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, tuple[list[str], list[str]]],
+                   metric: str, resamples: int, seed: int) -> Comparison | None:
+    """Per seed and pooled over the seeds both rows have: {seed: (hypotheses, references)} of each. Pooled, the
+    seeds' hypotheses are concatenated (in seed order) and the references repeated."""
+    seeds = tuple(sorted(set(base) & set(row)))
+    if not seeds:
+        return None
+    for s in seeds:
+        if base[s][1] != row[s][1]:
+            raise ValueError(f"seed {s}: the two rows' references differ; they were not scored on the same split")
+    each = {s: paired_bootstrap(base[s][0], row[s][0], row[s][1], metric, resamples, seed) for s in seeds}
+    if len(seeds) == 1:
+        p_value, low, high = each[seeds[0]]
+    else:
+        pooled = [[x for s in seeds for x in d[s][i]] for d, i in ((base, 0), (row, 0), (row, 1))]
+        p_value, low, high = paired_bootstrap(*pooled, metric, resamples, seed)
+    return Comparison("paired bootstrap", p_value, low, high, {s: r[0] for s, r in each.items()}, seeds)
+
+
+def version() -> str:
+    return sacrebleu.__version__

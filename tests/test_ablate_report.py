@@ -1,0 +1,300 @@
+"""What a reviewer reads: final scores stored with each trial, tables with the file's columns, significance against
+the baseline (equal to sacreBLEU's command line on the stored hypotheses), main effects and interactions, transfer
+between studies, FLOPs budgets and optuna params. Studies run with test_ablate_runner's fake fit and fake final
+evaluation, whose true effects are known: SwiGLU translates much better than ReLU (fake_drop), RMSNorm changes the
+loss by a fixed amount, and QK-norm interacts with SwiGLU only (fake_metric)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from optuna.distributions import CategoricalDistribution
+from scipy import stats
+
+from attnlab.ablate.budget import step_cost
+from attnlab.ablate.final import evaluate_run, read_lines, write_lines
+from attnlab.ablate.runner import run_study
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.stats import holm
+from attnlab.ablate.study import connect
+from attnlab.checkpoints import average_checkpoints
+from attnlab.cli import main
+from attnlab.config import ModelConfig
+from attnlab.evaluate import load_module
+from attnlab.experiment import load_experiment
+from attnlab.models.accounting import flops_per_token, training_flops
+from attnlab.train import fit, prepare
+from conftest import make_pairs
+from test_ablate_runner import FAKE, FAKE_EVAL, FAST, TINY_LM, fake_evaluate, fake_fit, read_calls, write_study
+
+TINY_MT = """\
+name: tiny_mt
+model: {{d_model: 32, n_heads: 4, n_enc_layers: 1, n_dec_layers: 1, d_ff: 64, dropout: 0.0, max_seq_len: 128}}
+data: {{corpus: {corpus}, data_dir: {cache}, vocab_size: 300, max_len: 64, max_tokens: 512, valid_fraction: 0.1,
+       test_fraction: 0.1}}
+trainer: {{max_steps: 10, val_every: 5, log_every: 5}}
+"""
+PROOF = """\
+seeds: [1, 2, 3]
+metric: {name: final/valid_bleu, direction: max}
+axes:
+  model.ffn: [relu, swiglu]
+columns: [{N: model.n_enc_layers}, {h: model.n_heads}, {d_k: model.d_k}, {P_drop: model.dropout},
+          {eps_ls: optim.label_smoothing}, {PPL: final/valid_ppl}, metric, {test BLEU: final/test_bleu}, params,
+          flops, steps, tokens]
+significance: {resamples: 300, seed: 11}
+"""
+
+
+def tiny_mt(tmp: Path) -> str:
+    corpus = tmp / "corpus.tsv"
+    corpus.write_text("".join(f"{s}\t{t}\n" for s, t in make_pairs(400)), encoding="utf-8")
+    return TINY_MT.format(corpus=corpus, cache=tmp / "cache")
+
+
+def cli_p_value(tmp: Path, ref: list[str], base: list[str], hyp: list[str], resamples: int, seed: int) -> float:
+    """The BLEU p-value of `sacrebleu REF -i BASE HYP --paired-bs` on those segments written to files."""
+    for name, lines in (("ref", ref), ("base", base), ("hyp", hyp)):
+        write_lines(tmp / name, lines)
+    out = subprocess.run([sys.executable, "-m", "sacrebleu", str(tmp / "ref"), "-i", str(tmp / "base"),
+                          str(tmp / "hyp"), "--paired-bs", "--paired-bs-n", str(resamples), "-f", "text"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "SACREBLEU_SEED": str(seed)})
+    return float(re.search(r"\(p = ([0-9.]+)\)", out.stdout).group(1))
+
+
+@pytest.fixture(scope="module")
+def proof(tmp_path_factory):
+    """2 variants x 3 seeds, scored by the final valid BLEU, as `attnlab ablate run` records them."""
+    tmp = tmp_path_factory.mktemp("proof")
+    spec = load_spec(write_study(tmp, PROOF, base=tiny_mt(tmp), final_eval=True))
+    assert run_study(spec, tmp / "study", opts=FAST, fit=fake_fit) == {"done": 6}
+    return tmp, spec, connect(spec, tmp / "study")
+
+
+def test_final_scores_are_stored_with_each_trial_and_the_table_shows_p_and_ci(proof, capsys):
+    tmp, spec, h = proof
+    for t in h.study.get_trials():
+        final = t.user_attrs["final"]
+        hyps = read_lines(Path(final["eval_dir"]) / "valid.hyp")
+        assert t.value == final["valid_bleu"] and len(hyps) == 120  # the trial's value is its final score
+        assert Path(t.user_attrs["run_dir"], "eval", "test.ref").is_file()
+        # a grid trial's factor values are optuna params with their distribution (optuna-dashboard slices by them)
+        assert t.params == {"model.ffn": t.user_attrs["overrides"]["model.ffn"]}
+        assert t.distributions == {"model.ffn": CategoricalDistribution(["relu", "swiglu"])}
+        assert [s for s, _ in t.user_attrs["curves"]["train/loss"]] == [4, 9]  # every logged step, for the plot
+    assert main(["ablate", "table", str(spec.path), "--dir", str(tmp / "study")]) == 0
+    out = capsys.readouterr().out
+    head = ("| variant | N | h | d_k | P_drop | eps_ls | PPL | final/valid_bleu ↑ | n | Δ vs baseline | p "
+            "| 95% CI of Δ | test BLEU | params | FLOPs/token | steps | tokens |")
+    assert head in out, out
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp / "study" / "table.csv", encoding="utf-8"))}
+    swiglu, relu = rows["ffn=swiglu"], rows["ffn=relu"]
+    assert relu["baseline"] == "True" and relu["p_value"] == ""
+    p, low, high = float(swiglu["p_value"]), float(swiglu["delta_ci_low"]), float(swiglu["delta_ci_high"])
+    assert p < 0.01 and 0 < low < float(swiglu["delta_vs_baseline"]) < high and swiglu["significant"] == "True"
+    line = next(x for x in out.splitlines() if x.startswith("| ffn=swiglu |"))
+    assert f"| {p:.3g}* | [+{low:.2f}, +{high:.2f}] |" in line and "| 1 | 4 | 8 | 0 | 0.1 |" in line
+    assert "1 comparison(s) against the baseline" in out and "sacreBLEU" in out and "pooled" in out
+    assert line.endswith("| 10 | 10K |")  # steps, tokens trained (fake_fit's last train/tokens)
+    assert float(swiglu["FLOPs/token"]) == step_cost(spec.experiment({"model.ffn": "swiglu"})).flops_per_token
+
+
+def test_per_seed_and_pooled_p_values_equal_sacrebleus_command_line_on_the_stored_files(proof, tmp_path):
+    _, spec, h = proof
+    rows = {r["variant"]: r for r in csv.DictReader(open(h.dir / "table.csv", encoding="utf-8"))}
+    per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["p_per_seed"].split())
+    files = {}
+    for t in h.study.get_trials():
+        eval_dir = Path(t.user_attrs["final"]["eval_dir"])
+        files[t.user_attrs["variant"], t.user_attrs["seed"]] = (read_lines(eval_dir / "valid.hyp"),
+                                                               read_lines(eval_dir / "valid.ref"))
+    for seed in (1, 2, 3):
+        (base, ref), (hyp, _) = files["ffn=relu", seed], files["ffn=swiglu", seed]
+        assert round(float(per_seed[str(seed)]), 4) == cli_p_value(tmp_path, ref, base, hyp, 300, 11)
+    pooled = [[x for s in (1, 2, 3) for x in files[v, s][i]] for v, i in (("ffn=relu", 1), ("ffn=relu", 0),
+                                                                          ("ffn=swiglu", 0))]
+    assert round(float(rows["ffn=swiglu"]["p_value"]), 4) == cli_p_value(tmp_path, *pooled, 300, 11)
+
+
+def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, capsys):
+    base = tiny_mt(tmp_path)
+    path = write_study(tmp_path, "seeds: [1, 2]\naxes:\n  model.ffn: [relu, swiglu]\n", base=base)
+    spec = load_spec(path)
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit) == {"done": 4}
+    trained = len(read_calls(tmp_path / "study")[0])
+    # the file now asks for the final BLEU: the stored trials have none yet
+    path.write_text(path.read_text().replace("final_eval: false", "final_eval: true")
+                    .replace("metric: {name: val/loss, direction: min}", "metric: final/valid_bleu"))
+    common = [str(path), "--dir", str(tmp_path / "study")]
+    assert main(["ablate", "table", *common]) == 0
+    assert capsys.readouterr().out.count("done, but without final/valid_bleu") == 4
+    assert main(["ablate", "evaluate", *common, "--evaluate", FAKE_EVAL]) == 0
+    assert capsys.readouterr().out.count("valid_bleu") == 4
+    assert len(read_calls(tmp_path / "study")[0]) == trained, "evaluating trained nothing"
+    h = connect(load_spec(path), tmp_path / "study")
+    assert main(["ablate", "table", *common]) == 0
+    out = capsys.readouterr().out
+    for t in h.study.get_trials():
+        exp = load_experiment(Path(t.user_attrs["run_dir"]) / "config.yaml")
+        assert h.study.user_attrs[f"final:{t.number}"]["valid_bleu"] == fake_evaluate(exp, t.user_attrs["run_dir"])[
+            "valid_bleu"]
+    assert "| ffn=swiglu |" in out and "final/valid_bleu ↑" in out and "without" not in out
+    assert main(["ablate", "evaluate", *common, "--evaluate", FAKE_EVAL]) == 0
+    assert capsys.readouterr().out.count("already evaluated") == 4
+
+
+def test_main_effects_and_the_interaction_equal_the_means_of_table_csv(tmp_path, capsys):
+    body = "seeds: [1, 2]\nsignificance: {holm: true}\naxes:\n  model.ffn: [relu, swiglu]\n" \
+           "  model.qk_norm: [false, true]\n"
+    spec = load_spec(write_study(tmp_path, body))
+    run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
+    assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
+    out = capsys.readouterr().out
+    assert "Welch's t-test over seeds" in out and "(Holm-corrected); 3 comparison(s) against the baseline" in out
+    tested = [r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")) if r["p_value"]]
+    assert [float(r["p_holm"]) for r in tested] == pytest.approx(holm([float(r["p_value"]) for r in tested]))
+    assert all((r["significant"] == "True") == (float(r["p_holm"]) < 0.05) for r in tested)
+    assert main(["ablate", "effects", str(spec.path), "--dir", str(tmp_path / "study"), "--pair", "model.ffn",
+                 "model.qk_norm"]) == 0
+    out = capsys.readouterr().out
+    table = list(csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")))
+    mean = {r["variant"]: float(r["val/loss mean"]) for r in table}
+
+    def by_hand(*parts: str) -> float:  # the mean of the rows whose name holds every part
+        vals = [m for v, m in mean.items() if all(p in v.split() for p in parts)]
+        return sum(vals) / len(vals)
+
+    effects = list(csv.DictReader(open(tmp_path / "study" / "effects.csv", encoding="utf-8")))
+    main_effects = {(e["factor"], e["level"]): e for e in effects if " x " not in e["factor"]}
+    for (factor, level), e in main_effects.items():
+        assert float(e["mean"]) == pytest.approx(by_hand(f"{factor.split('.')[1]}={level}"))
+        assert float(e["ci_low"]) < float(e["mean"]) < float(e["ci_high"]) and e["n_seeds"] == "2"
+    gap = float(main_effects["model.ffn", "swiglu"]["mean"]) - float(main_effects["model.ffn", "relu"]["mean"])
+    assert gap == pytest.approx(-0.5 + 0.2 / 2)  # fake_metric's SwiGLU effect, and half its QK-norm interaction
+    cells = {e["level"]: float(e["interaction"]) for e in effects if e["factor"] == "model.ffn x model.qk_norm"}
+    grand = sum(mean.values()) / len(mean)
+    for ffn in ("relu", "swiglu"):
+        for qk in ("false", "true"):
+            term = (by_hand(f"ffn={ffn}", f"qk_norm={qk}") - by_hand(f"ffn={ffn}") - by_hand(f"qk_norm={qk}") + grand)
+            assert cells[f"{ffn} x {qk}"] == pytest.approx(term)
+    assert cells["swiglu x true"] == pytest.approx(0.05)  # fake_metric's 0.2 interaction: 0.2 / 4 in each cell
+    assert "interaction model.ffn x model.qk_norm" in out and (tmp_path / "study" / "effects.png").stat().st_size > 5000
+
+
+def test_compare_joins_shared_variants_and_gives_their_rank_correlation(tmp_path, capsys):
+    a = write_study(tmp_path, "name: a\naxes:\n  model.ffn: [gelu, relu, swiglu]\n", name="a")
+    b = write_study(tmp_path, "name: b\nmetric: {name: val/loss, direction: max}\naxes:\n  model.norm: [layernorm, "
+                    "rmsnorm]\n  model.ffn: [gelu, relu, swiglu]\n",
+                    base=TINY_LM.replace("d_model: 32", "d_model: 64"), name="b")
+    for path in (a, b):
+        run_study(load_spec(path), tmp_path / path.stem, opts=FAST, fit=fake_fit)
+        assert main(["ablate", "table", str(path), "--dir", str(tmp_path / path.stem)]) == 0
+    capsys.readouterr()
+    assert main(["ablate", "compare", str(a), str(b), "--dirs", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "3 variant(s) in both, joined on the fields both vary (model.ffn; other factors averaged over)" in out
+    means = {}
+    for name in ("a", "b"):  # by hand from table.csv: b averaged over its norms
+        groups: dict[str, list[float]] = {}
+        for r in csv.DictReader(open(tmp_path / name / "table.csv", encoding="utf-8")):
+            key = " ".join(x for x in r["variant"].split() if x.startswith("ffn="))
+            groups.setdefault(key, []).append(float(r["val/loss mean"]))
+        means[name] = {k: sum(v) / len(v) for k, v in groups.items()}
+    keys = sorted(means["a"])
+    x = [-means["a"][k] for k in keys]  # a: lower loss is better; b says higher is: oriented, they disagree
+    y = [means["b"][k] for k in keys]
+    tau, rho = stats.kendalltau(x, y), stats.spearmanr(x, y)
+    printed = re.search(r"Kendall's tau = (\S+) \(p = (\S+)\), Spearman's rho = (\S+) \(p = (\S+)\)", out).groups()
+    want = (tau.statistic, tau.pvalue, rho.statistic, rho.pvalue)
+    assert [float(x) for x in printed] == pytest.approx(want, rel=1e-2, abs=1e-6) and printed[0] == "-1.000"
+    assert f"| ffn=swiglu | {means['a']['ffn=swiglu']:.3f} | 1 | {means['b']['ffn=swiglu']:.3f} | 3 |" in out
+
+
+def test_a_flops_budget_gives_each_variant_the_steps_that_spend_it(tmp_path, capsys):
+    body = "budget: {flops: 2.0e13}\naxes:\n  model.ffn: [gelu, swiglu]\ncolumns: [metric, params, flops, steps]\n"
+    spec = load_spec(write_study(tmp_path, body))
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit) == {"done": 2}
+    steps = {}
+    for t in connect(spec, tmp_path / "study").study.get_trials():
+        m = t.user_attrs["config"]["model"]
+        # the LM's steps by hand: 4096 // 256 = 16 windows of 256 tokens; the tokenizer's 8,000-token vocabulary
+        cfg = ModelConfig.from_dict({**m, "vocab_size": 8000})
+        want = math.floor(2.0e13 / (flops_per_token(cfg, 256) * 16 * 256))
+        assert t.user_attrs["config"]["trainer"]["max_steps"] == t.user_attrs["steps"] == want
+        assert t.user_attrs["config"]["optim"]["max_steps"] == want  # the schedule's horizon too
+        steps[m["ffn"]] = want
+    assert steps["swiglu"] < steps["gelu"]  # its gated FFN costs more per token: fewer steps for the same FLOPs
+    assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
+    assert f"| {steps['swiglu']:,} |" in capsys.readouterr().out
+
+
+def test_a_translation_step_cost_is_measured_on_the_training_split(tmp_path):
+    (tmp_path / "mt.yaml").write_text(tiny_mt(tmp_path), encoding="utf-8")
+    exp = load_experiment(tmp_path / "mt.yaml")
+    cost = step_cost(exp)
+    dm, resolved = prepare(exp)
+    flops = tokens = batches = 0
+    for batch in dm.train_dataloader():  # every pair of the split, from the batches themselves
+        for s, t in zip(batch["src"].ne(0).sum(1).tolist(), batch["tgt_out"].ne(0).sum(1).tolist(), strict=True):
+            flops += training_flops(resolved.model, t, s)["total"]
+            tokens += t
+        batches += 1
+    assert cost.flops_per_token == pytest.approx(flops / tokens) and cost.tokens_per_step == pytest.approx(
+        tokens / batches)
+
+
+def test_the_study_cli_passes_the_evaluator_to_its_workers(tmp_path, capsys):
+    path = write_study(tmp_path, "metric: final/valid_bleu\naxes:\n  model.ffn: [relu, swiglu]\n",
+                       base=tiny_mt(tmp_path), final_eval=True)
+    common = ["--dir", str(tmp_path / "study"), "--fit", FAKE, "--evaluate", FAKE_EVAL, "--poll", "0.2"]
+    assert main(["ablate", "run", str(path), *common]) == 0
+    assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
+    assert "| ffn=swiglu |" in capsys.readouterr().out
+
+
+def test_a_language_models_final_evaluation_is_its_loss_over_the_whole_splits(tmp_path):
+    """A real tiny LM fit, evaluate_run, and the same numbers by hand: the last 2 checkpoints averaged, the
+    token-weighted cross-entropy over every window of the valid and test splits."""
+    words = "the a small big red green house cat dog tree river city open close file save print".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11)) + f" {i}.\n\n"
+                              for i in range(600)), encoding="utf-8")
+    recipe = tmp_path / "lm.yaml"
+    recipe.write_text(f"""\
+name: lm
+model: {{arch: decoder_only, d_model: 32, n_heads: 2, n_dec_layers: 1, d_ff: 64, max_seq_len: 64, dropout: 0.0,
+        norm_position: pre, position: rope}}
+data: {{corpus: {corpus}, vocab_size: 300, seq_len: 32, max_tokens: 256, valid_fraction: 0.1, test_fraction: 0.1,
+       data_dir: {tmp_path / 'cache'}}}
+optim: {{schedule: constant, lr: 1.0e-3, warmup_steps: 0}}
+trainer: {{max_steps: 4, val_every: 4, ckpt_every: 2, limit_val_batches: 1, log_every: 2, progress_bar: false,
+          runs_dir: {tmp_path / 'runs'}}}
+decode: {{average_last: 2}}
+""", encoding="utf-8")
+    exp = load_experiment(recipe)
+    run_dir = fit(exp)
+    final = evaluate_run(exp, run_dir)
+    assert [Path(p).name for p in final["checkpoints"]] == ["step=2.ckpt", "step=4.ckpt"] and "valid_bleu" not in final
+    averaged = average_checkpoints([run_dir / "checkpoints" / f"step={s}.ckpt" for s in (2, 4)])
+    model = load_module(run_dir / "checkpoints" / "averaged_last2.ckpt").model
+    assert all(torch.equal(v, averaged["state_dict"][f"model.{k}"]) for k, v in model.state_dict().items())
+    dm, _ = prepare(exp)
+    for split, loader in (("valid", dm.val_dataloader()), ("test", dm.test_dataloader())):
+        nll = tokens = 0.0
+        with torch.no_grad():
+            for batch in loader:
+                logits = model(batch["input"])  # (B, T, V)
+                nll += float(F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), reduction="sum",
+                                             ignore_index=0))
+                tokens += int(batch["target"].ne(0).sum())
+        assert final[f"{split}_loss"] == pytest.approx(nll / tokens, rel=1e-5), split
+        assert final[f"{split}_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
