@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +17,32 @@ import torch
 from torch import nn
 
 LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
+
+
+def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:
+    """Install Debian packages a suite needs (a real SLURM cluster, a real PostgreSQL server) when this machine
+    can: Linux, root, apt-get. Otherwise, or when the install fails, skip saying why (`why`: what is missing)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"{why}; the {suite} tests run on Linux only")
+    if os.geteuid() != 0:
+        pytest.skip(f"{why} and this user is not root, so it cannot install it (apt-get install {' '.join(packages)})")
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"{why} and there is no apt-get to install it with")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:  # stale package lists: update once and try again
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+        r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 _EN = ("the a small big red green house cat dog tree river city open close file save print window "
        "error value cannot find read write new old user system network").split()

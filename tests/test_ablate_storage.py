@@ -16,7 +16,6 @@ import pwd
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from attnlab.ablate.study import connect, prepare_study
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from conftest import apt_install_or_skip, free_port  # noqa: E402
 from test_ablate_runner import FAKE, fake_fit, fake_metric, read_calls, worker_env, write_study  # noqa: E402, F401, F811
 
 
@@ -53,28 +53,10 @@ def ensure_postgres() -> Path:
     pytest.importorskip("psycopg", reason="the PostgreSQL driver is an extra: pip install -e .[postgres]")
     if postgres_bin() is not None:
         return postgres_bin()
-    why = "PostgreSQL is not installed (no initdb)"
-    if not sys.platform.startswith("linux"):
-        pytest.skip(f"{why}; the PostgreSQL tests start a server on Linux only")
-    if os.geteuid() != 0:
-        pytest.skip(f"{why} and this user is not root, so it cannot install it (apt-get install postgresql)")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{why} and there is no apt-get to install it with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"]
-    r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0:  # stale package lists: update once and try again
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
-        r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0 or postgres_bin() is None:
-        pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
+    apt_install_or_skip("PostgreSQL is not installed (no initdb)", ["postgresql"], "PostgreSQL")
+    if postgres_bin() is None:
+        pytest.skip("apt-get installed postgresql, but no initdb was found under /usr/lib/postgresql")
     return postgres_bin()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PostgresServer:

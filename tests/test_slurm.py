@@ -36,6 +36,7 @@ from attnlab.rundir import run_metrics
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from conftest import apt_install_or_skip, free_port  # noqa: E402
 from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
 
 SRC = TESTS.parent / "src" / "attnlab"
@@ -145,27 +146,7 @@ def ensure_slurm() -> None:
     missing = [b for b in DAEMONS + CLIENTS if binary(b) is None]
     if not missing:
         return
-    why = f"SLURM is not installed ({', '.join(missing)} missing)"
-    if not sys.platform.startswith("linux"):
-        pytest.skip(f"{why}; the SLURM tests run on Linux only")
-    if os.geteuid() != 0:
-        pytest.skip(f"{why} and this user is not root, so it cannot install it (apt-get install slurm-wlm munge)")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{why} and there is no apt-get to install it with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]
-    r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0:  # stale package lists: update once and try again
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
-        r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0:
-        pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    apt_install_or_skip(f"SLURM is not installed ({', '.join(missing)} missing)", ["slurm-wlm", "munge"], "SLURM")
 
 
 CONF = """\
@@ -352,6 +333,26 @@ def test_a_fit_with_two_slurm_tasks_runs_ddp_on_gloo_through_srun(slurm_cluster,
     assert "devices: 2" in (run_dir / "config.yaml").read_text()
 
 
+def submit_and_preempt(slurm_cluster, spec_path: Path, study_dir: Path, reach_s: float, spec_text: str):
+    """Write and submit a one-worker study, wait until its first trial has checkpointed step 20, send USR1 to the
+    job's batch shell (what SLURM sends before a preemption) and wait until SLURM has requeued the job.
+    Returns the array task's job id, its log folder, the spec and the first trial's run directory."""
+    spec_path.write_text(spec_text, encoding="utf-8")
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--workers", "1", "--heartbeat", "2",
+                 "--grace", "60", "--poll", "1"]) == 0
+    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    spec = load_spec(spec_path)
+    first = spec.experiment(spec.points()[0].variant.overrides, 1)
+    run_dir = study_dir / "runs" / f"{first.name}-{first.config_hash()}"
+    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), reach_s, "the first trial never reached "
+             f"step 20\n{read_logs(logs)}", slurm_cluster.dir)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
+             f"{read_logs(logs)}", slurm_cluster.dir)
+    return job, logs, spec, run_dir
+
+
 @pytest.mark.slow
 def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoint(slurm_cluster, tmp_path,
                                                                                    monkeypatch, capsys):
@@ -360,23 +361,12 @@ def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoi
     monkeypatch.chdir(tmp_path)
     steps = 200
     recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=100)
-    spec_path = tmp_path / "requeue.yaml"
-    spec_path.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
-                         "axes:\n  model.norm: [layernorm, rmsnorm]\n", encoding="utf-8")
     study_dir = tmp_path / "study"
-    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--workers", "1", "--heartbeat", "2",
-                 "--grace", "60", "--poll", "1"]) == 0
-    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
-    logs = study_dir / "slurm" / "submit-001" / "logs"
-    spec = load_spec(spec_path)
-    first = spec.experiment(spec.points()[0].variant.overrides, 1)
-    run_dir = study_dir / "runs" / f"{first.name}-{first.config_hash()}"
-    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), 120, "the first trial never reached "
-             f"step 20\n{read_logs(logs)}", slurm_cluster.dir)
-    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+    job, logs, spec, run_dir = submit_and_preempt(
+        slurm_cluster, tmp_path / "requeue.yaml", study_dir, 120,
+        f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
+        "axes:\n  model.norm: [layernorm, rmsnorm]\n")
     # a requeued job may start again only after 2 minutes (SLURM's requeue hold); a real cluster waits it out
-    wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
-             f"{read_logs(logs)}", slurm_cluster.dir)
     slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     assert slurm_cluster.wait(job, 180, logs) == {job: "COMPLETED"}, read_logs(logs)
 
@@ -410,22 +400,11 @@ def test_usr1_requeues_a_two_task_ddp_trial_and_both_ranks_resume_to_the_uninter
     monkeypatch.chdir(tmp_path)
     steps = 120
     recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=60, log_every=1)
-    spec_path = tmp_path / "ddp.yaml"
-    spec_path.write_text(f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
-                         "overrides: {trainer.devices: 2}\nvariants:\n  - {name: ddp}\n", encoding="utf-8")
     study_dir = tmp_path / "study"
-    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--workers", "1", "--heartbeat", "2",
-                 "--grace", "60", "--poll", "1"]) == 0
-    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
-    logs = study_dir / "slurm" / "submit-001" / "logs"
-    spec = load_spec(spec_path)
-    exp = spec.experiment(spec.points()[0].variant.overrides, 1)
-    run_dir = study_dir / "runs" / f"{exp.name}-{exp.config_hash()}"
-    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), 150, "the trial never reached step 20\n"
-             f"{read_logs(logs)}", slurm_cluster.dir)
-    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
-    wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
-             f"{read_logs(logs)}", slurm_cluster.dir)
+    job, logs, spec, run_dir = submit_and_preempt(
+        slurm_cluster, tmp_path / "ddp.yaml", study_dir, 150,
+        f"base: {recipe}\nmetric: {{name: val/loss, direction: min}}\nseeds: [1]\n"
+        "overrides: {trainer.devices: 2}\nvariants:\n  - {name: ddp}\n")
     # while SLURM holds the requeued job: the same trial, uninterrupted, as 2 local DDP processes
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ref = subprocess.run([sys.executable, "-m", "attnlab.cli", "fit", "-c", str(run_dir / "trial.yaml"),
