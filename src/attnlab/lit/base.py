@@ -35,7 +35,8 @@ class BaseModule(L.LightningModule):
         self._tokens: torch.Tensor | int = 0  # target tokens trained on, all ranks together (kept in checkpoints)
         # token-weighted loss over a whole split, summed across DDP ranks (not a mean of batch means)
         self.eval_nll, self.eval_tokens = SumMetric(), SumMetric()
-        self._step_tokens = torch.zeros(())  # loss tokens of the micro-batches of the optimizer step under way
+        # loss tokens of the micro-batches of the optimizer step under way
+        self._step_tokens = torch.zeros((), dtype=torch.long)
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -83,9 +84,6 @@ class BaseModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/nll", nll / n)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        # every rank adds every rank's tokens (one scalar all-reduce a step under DDP), so each holds the run's total
-        self._tokens = self._tokens + self.trainer.strategy.reduce(n_tokens.detach().long(), reduce_op="sum")
-        self.log("train/tokens", self._tokens.double())
         if self._last_step_time is not None:  # tokens of this step over the time since the last one
             self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
         self._last_step_time = now
@@ -110,9 +108,11 @@ class BaseModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         t = self.trainer
         # Lightning divided each micro-batch's loss by accumulate, DDP (and FSDP) average the ranks' gradients
-        tokens = t.strategy.reduce(self._step_tokens.float().clone(), reduce_op="sum")
+        tokens = t.strategy.reduce(self._step_tokens.clone(), reduce_op="sum")  # long: exact at any batch size
         scale = t.accumulate_grad_batches * t.world_size / tokens.clamp_min(1)
-        self._step_tokens = torch.zeros((), device=self._step_tokens.device)
+        self._step_tokens = torch.zeros_like(self._step_tokens)
+        self._tokens = self._tokens + tokens  # the same all-reduce counts the run's tokens: every rank holds the total
+        self.log("train/tokens", self._tokens.double())
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for g in grads:
             g.mul_(scale.to(g.dtype))
