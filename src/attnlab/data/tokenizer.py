@@ -26,7 +26,6 @@ PAD, BOS, EOS, UNK, MASK = "<pad>", "<s>", "</s>", "<unk>", "<mask>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 N_BYTES = 256  # the byte-level alphabet: every vocabulary holds all of them
-MIN_VOCAB = len(SPECIALS) + N_BYTES
 # Beside tokenizer.json, what makes the folder load with transformers.AutoTokenizer: the special tokens' roles, and
 # no clean-up of spaces on decoding (it would turn "a ." into "a.", and decoding must give back the text)
 _HF_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
