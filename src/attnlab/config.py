@@ -207,6 +207,13 @@ class ModelConfig(StrictConfig):
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
     @property
+    def norm_slots(self) -> tuple[bool, bool, bool]:
+        """Which of a block's norm slots cfg.norm_position fills: before each sublayer f (pre, sandwich), on f's
+        output (sandwich), after the residual sum (post): the f_norm, f_out_norm and f_post_norm of models/block.py."""
+        return (self.norm_position in ("pre", "sandwich"), self.norm_position == "sandwich",
+                self.norm_position == "post")
+
+    @property
     def final_norm(self) -> bool:
         """Pre- and sandwich-norm stacks end in a norm; a post-norm stack's last sublayer already normalised."""
         return self.norm_position != "post"

@@ -46,9 +46,7 @@ def block_params(cfg: ModelConfig, cross: bool = False) -> dict[str, int]:
     """One Block: its attention(s), FFN and norms, counted as block.py makes them (the others are nn.Identity)."""
     n_sub = 3 if cross else 2  # self-attention, (cross-attention), FFN
     parallel = cfg.block == "parallel"
-    before = cfg.norm_position in ("pre", "sandwich")  # f_norm
-    on_output = cfg.norm_position == "sandwich"  # f_out_norm
-    after = cfg.norm_position == "post"  # f_post_norm (serial) or the one post_norm (parallel)
+    before, on_output, after = cfg.norm_slots  # f_norm, f_out_norm, f_post_norm (serial) or post_norm (parallel)
     n_norms = n_sub * before + n_sub * on_output + (1 if parallel else n_sub) * after
     out = {"self_attention": sum(attention_params(cfg).values())}
     if cross:

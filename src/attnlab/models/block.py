@@ -68,9 +68,7 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.cross_attn = Attention(cfg, cross=True) if cross else None  # only decoder blocks of an encoder-decoder
         self.ffn = FeedForward(cfg)
-        before = cfg.norm_position in ("pre", "sandwich")  # f_norm
-        on_output = cfg.norm_position == "sandwich"  # f_out_norm
-        after = cfg.norm_position == "post"  # f_post_norm (serial) or the one post_norm (parallel)
+        before, on_output, after = cfg.norm_slots  # f_norm, f_out_norm, f_post_norm (serial) or post_norm (parallel)
         self.self_attn_norm = norm_or_identity(cfg, before)
         self.self_attn_out_norm = norm_or_identity(cfg, on_output)
         self.self_attn_post_norm = norm_or_identity(cfg, after and not self.parallel)
