@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 from typing import Any, TextIO
 
+import torch
 from lightning.pytorch.callbacks import Callback, Timer, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
@@ -36,7 +37,7 @@ class LineProgress(ProgressBar):
         self._enabled = True
         self._start: tuple[float, int] | None = None  # (time, global step) when this fit started training
         self._last_step = -1
-        self._speeds: list[float] = []
+        self._speeds: list[torch.Tensor] = []
 
     def disable(self) -> None:
         self._enabled = False
@@ -66,8 +67,8 @@ class LineProgress(ProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         m = trainer.callback_metrics
-        if "train/tokens_per_s" in m:
-            self._speeds.append(float(m["train/tokens_per_s"]))
+        if "train/tokens_per_s" in m:  # a tensor on the device: read on printing, not a sync every step
+            self._speeds.append(m["train/tokens_per_s"].detach().clone())
         step = trainer.global_step
         if step == self._last_step or step % self.every:
             return
@@ -78,7 +79,7 @@ class LineProgress(ProgressBar):
         if "train/lr" in m:
             parts.append(f"lr {float(m['train/lr']):.2e}")
         if self._speeds:
-            parts.append(f"{sum(self._speeds) / len(self._speeds):,.0f} tokens/s")
+            parts.append(f"{sum(float(v) for v in self._speeds) / len(self._speeds):,.0f} tokens/s")
             self._speeds = []
         eta = self.eta(trainer)
         parts.append(f"ETA {eta}" if eta is not None else "ETA unknown")
