@@ -166,8 +166,9 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     exp = load_experiment(args.config, overrides)
     dev = pick_device(args.device)
     dm, exp = prepare(exp)
-    check_compatible(load_checkpoint(args.ckpt), exp.model, args.ckpt)
-    module = load_module(args.ckpt, exp.decode)
+    ckpt = load_checkpoint(args.ckpt)
+    check_compatible(ckpt, exp.model, args.ckpt)
+    module = load_module(args.ckpt, exp.decode, ckpt=ckpt)
     split = "valid" if args.command == "validate" else "test"
     t0 = time.perf_counter()
     # one process on the chosen device, whatever the recipe trains with: under DDP the samplers would repeat
@@ -209,10 +210,10 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     paths = [str(p) for p in last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)]
     averaged = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"
-    average_checkpoints(paths, str(averaged))
+    avg = average_checkpoints(paths, str(averaged))
     times[f"average last {len(paths)} checkpoints"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    module = load_module(averaged, resolved.decode)
+    module = load_module(averaged, resolved.decode, ckpt=avg)  # the averaged weights as written, not read back
     srcs, refs = dm.split_texts("test")
     hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=dev,
                            dtype=decode_dtype(dev, exp.trainer.precision))

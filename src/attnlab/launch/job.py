@@ -179,8 +179,9 @@ def task_main(argv: list[str]) -> int:
     run_dir = exp.run_dir()
     ckpt: str | None = None if args.ckpt_path == "none" else args.ckpt_path
     me = job_identity()
-    if me is not None and me[1] > 0 and latest_checkpoint(run_dir) is not None:
-        ckpt = str(latest_checkpoint(run_dir))  # a requeued fit continues where its checkpoint left it
+    latest = latest_checkpoint(run_dir) if me is not None and me[1] > 0 else None
+    if latest is not None:
+        ckpt = str(latest)  # a requeued fit continues where its checkpoint left it
     rank, world = os.environ.get("SLURM_PROCID", "0"), os.environ.get("SLURM_NTASKS", "1")
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt == "last" else Path(ckpt) if ckpt else None
     what = f"resuming from {path} (global step {checkpoint_step(path)})" if path else "from step 0"

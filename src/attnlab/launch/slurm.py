@@ -242,7 +242,7 @@ def submit_fit(exp: Experiment, args: argparse.Namespace) -> int:
                                               runs_dir=str(Path(trainer.runs_dir).resolve())))
     # named up front, as the ablation runner names trials (fit would name it after the tokenizer set the
     # vocabulary): the submission lives in it and a requeued job must find its checkpoints there
-    exp = exp.replace(trainer=exp.trainer.replace(run_name=exp.trainer.run_name or f"{exp.name}-{exp.config_hash()}"))
+    exp = exp.replace(trainer=exp.trainer.replace(run_name=exp.run_dir().name))
     run_dir = check_path(exp.run_dir().resolve(), "trainer.runs_dir")
     root = run_dir / "slurm"
     snapshot = new_submission(root) if not args.dry_run else root / "submit-NNN"
