@@ -161,6 +161,7 @@ def marian(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torc
             for (hf_attn, hf_proj), (attn, proj, start, n) in rows.items():
                 t[f"{h}{hf_attn}.{hf_proj}.weight"] = reads(s[f"{a}{attn}.{proj}.weight"][start:start + n])
                 t[f"{h}{hf_attn}.{hf_proj}.bias"] = s[f"{a}{attn}.{proj}.bias"][start:start + n]
+            for hf_attn, attn in dict.fromkeys((hf_attn, attn) for (hf_attn, _), (attn, *_) in rows.items()):
                 t[f"{h}{hf_attn}.out_proj.weight"] = writes(s[f"{a}{attn}.out_proj.weight"])
                 t[f"{h}{hf_attn}.out_proj.bias"] = writes(s[f"{a}{attn}.out_proj.bias"])
             norms = {"self_attn_layer_norm": "self_attn_post_norm", "final_layer_norm": "ffn_post_norm"}

@@ -60,15 +60,13 @@ def read_mo(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def gettext_catalogs(locale_dir: str | list[str], lang: str) -> list[Path]:
-    """Every <dir>/<lang>/LC_MESSAGES/*.mo of the folder(s), in the order given (possibly none)."""
-    dirs = [locale_dir] if isinstance(locale_dir, str) else locale_dir
+def gettext_catalogs(dirs: list[str], lang: str) -> list[Path]:
+    """Every <dir>/<lang>/LC_MESSAGES/*.mo of the folders, in the order given (possibly none)."""
     return [f for d in dirs for f in sorted((Path(d) / lang / "LC_MESSAGES").glob("*.mo"))]
 
 
-def too_few_catalogs(locale_dir: str | list[str], lang: str, files: int, pairs: int, need: int) -> DataError:
+def too_few_catalogs(dirs: list[str], lang: str, files: int, pairs: int, need: int) -> DataError:
     """The error of a machine without (enough of) the catalogs: where it looked, what it found, how to install."""
-    dirs = [locale_dir] if isinstance(locale_dir, str) else locale_dir
     searched = ", ".join(str(Path(d) / lang / "LC_MESSAGES") for d in dirs)
     pack = {"zh_CN": "zh-hans", "zh_SG": "zh-hans", "zh_TW": "zh-hant", "zh_HK": "zh-hant"}.get(lang)
     pack = pack or lang.split("_")[0]  # Ubuntu's language-pack-<language>
@@ -87,20 +85,27 @@ def too_few_catalogs(locale_dir: str | list[str], lang: str, files: int, pairs: 
 def gettext_corpus_pairs(cfg: DataConfig, lang: str) -> tuple[list[tuple[str, str]], list[Path]]:
     """The pairs of gettext:<lang> and the catalogs they came from; too few (none, or under data.min_pairs) is an
     error that says where it looked and how to install the catalogs, before any tokenizer or model is trained."""
-    files = gettext_catalogs(cfg.locale_dir, lang)
-    pairs = gettext_pairs(cfg.locale_dir, lang) if files else []
+    files = gettext_catalogs(cfg.locale_dirs, lang)
+    pairs = _pairs_of(files, lang)
     if not pairs or len(pairs) < cfg.min_pairs:
-        raise too_few_catalogs(cfg.locale_dir, lang, len(files), len(pairs), cfg.min_pairs)
+        raise too_few_catalogs(cfg.locale_dirs, lang, len(files), len(pairs), cfg.min_pairs)
     return pairs, files
 
 
 def gettext_pairs(locale_dir: str | list[str], lang: str) -> list[tuple[str, str]]:
-    """Every (English, <lang>) pair of the machine's catalogs: deduplicated (first occurrence kept), pairs with
-    an empty side or identical sides dropped; unreadable catalogs are skipped with a warning naming them."""
+    """Every (English, <lang>) pair of the machine's catalogs in the folder(s): deduplicated (first occurrence
+    kept), pairs with an empty side or identical sides dropped; unreadable catalogs are skipped with a warning
+    naming them."""
+    dirs = [locale_dir] if isinstance(locale_dir, str) else list(locale_dir)
+    return _pairs_of(gettext_catalogs(dirs, lang), lang)
+
+
+def _pairs_of(files: list[Path], lang: str) -> list[tuple[str, str]]:
+    """The pairs of gettext_pairs, from catalogs already listed."""
     seen: set[tuple[str, str]] = set()
     out: list[tuple[str, str]] = []
     skipped: list[str] = []
-    for path in gettext_catalogs(locale_dir, lang):
+    for path in files:
         try:
             pairs = read_mo(path)
         except (DataError, OSError) as e:

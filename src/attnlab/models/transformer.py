@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import KVCache, Mask, causal_allowed
-from .block import Block
+from .block import Block, norm_or_identity
 from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
 
@@ -37,7 +37,7 @@ class Stack(nn.Module):
         self.positions = AbsolutePositions(cfg) if cfg.position in ("sinusoidal", "learned") else None
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         # a norm of the embeddings before the first block (BERT, Devlin et al. 2019; BLOOM, arXiv:2211.05100)
-        self.embed_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
+        self.embed_norm = norm_or_identity(cfg, cfg.embed_norm)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
@@ -94,13 +94,18 @@ class _Model(nn.Module):
         self.cfg = cfg
         for name, stack in stacks.items():
             self.add_module(name, stack)
+        self._last_stack = list(stacks)[-1]  # a name, not a module: the last stack, decided once
         tie = cfg.tie_embeddings != "none"
         self.head = None if tie else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
+    def _stack(self) -> Stack:
+        """The last stack: `decoder` where there is one, else `encoder`."""
+        return getattr(self, self._last_stack)
+
     def output_embedding(self) -> nn.Embedding:
         """The table the head shares when tied: the embedding of the last stack."""
-        return self.decoder.embed if hasattr(self, "decoder") else self.encoder.embed
+        return self._stack().embed
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Project hidden states to the vocabulary; soft-cap when configured (Gemma 2, arXiv:2408.00118)."""
@@ -184,7 +189,7 @@ class _OneStack(_Model):
         """ids (B, T) -> logits (B, T, V) (or hidden states (B, T, d)). With a cache (causal only), ids are the new
         tokens after cache.pos; an encoder's ids may be padded with pad_id."""
         check_ids(ids, self.cfg.vocab_size, "input")
-        stack = self.decoder if hasattr(self, "decoder") else self.encoder
+        stack = self._stack()  # the only one
         if cache is not None and not stack.causal:
             raise ValueError("a KV cache is for causal decoding; an encoder attends both ways")
         h = stack(ids, cache=cache)  # (B, T, d)
