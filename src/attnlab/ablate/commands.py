@@ -15,7 +15,7 @@ from .effects import compare_studies, effects_report
 from .figures import plot
 from .final import DEFAULT_EVALUATE, evaluate_study
 from .report import write_table
-from .runner import Options, run_study, work
+from .runner import options_from, run_study, work
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
 from .submit import submit_study
@@ -95,12 +95,6 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     return ab
 
 
-def _options(args: argparse.Namespace) -> Options:
-    return Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
-                   poll_s=args.poll, max_trials=getattr(args, "max_trials", None),
-                   linger=not getattr(args, "no_linger", False))
-
-
 def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
     if overrides:
         raise ConfigError(f"attnlab ablate takes no --section.key overrides (put them in the file): {list(overrides)}")
@@ -110,7 +104,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
             raise ConfigError(f"--workers {args.workers} must be >= 1")
         spec = load_spec(args.spec)
         gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus is not None else None
-        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, _options(args),
+        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, options_from(args),
                            gpus=gpus, workers_per_gpu=args.workers_per_gpu)
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
@@ -122,7 +116,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         spec = load_spec(args.spec)
         h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
         try:
-            n = work(h, _options(args), StepFit(args.fit, srun=True) if args.srun else None)
+            n = work(h, options_from(args), StepFit(args.fit, srun=True) if args.srun else None)
         except KeyboardInterrupt as e:
             logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
             return 130

@@ -53,9 +53,7 @@ def gpu_slices(gpus: list[str], workers: int, per_trial: int, workers_per_gpu: i
 
 def trial_devices(spec: AblationSpec) -> int:
     """Devices per trial (resources.devices, else the base recipe's trainer.devices); one size for all trials."""
-    varied = {k for v in spec.variants() for k in v.overrides} if not spec.is_search else \
-        {d.key for d in spec.distributions}
-    if "trainer.devices" in varied:
+    if "trainer.devices" in spec.varied_keys():
         raise ConfigError(f"{spec.path}: trainer.devices varies across trials; a local worker's GPUs are one slice "
                           "(run one study per device count)")
     return spec.experiment({}).trainer.devices

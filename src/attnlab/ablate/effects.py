@@ -98,7 +98,7 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
     printed, and effects.csv, effects.png in out_dir (default: the study directory)."""
     if h.spec.is_search:
         raise ValueError(f"{h.spec.name} is a search: main effects need a grid (axes: or variants:)")
-    rows, _ = collect_rows(h)
+    rows, _ = collect_rows(h, tests=False)  # the effects need the rows' values, not their tests
     table = level_table(h, rows)
     names = factors(table)
     if not names:
@@ -194,7 +194,8 @@ def joined_scores(h: StudyHandle, rows: list[Row], keys: list[str]) -> dict[str,
 def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
     """The side-by-side table of the variants in both studies and the rank correlation of their scores."""
     keys = [k for k in varied(a) if k in set(varied(b))]
-    sa, sb = joined_scores(a, collect_rows(a)[0], keys), joined_scores(b, collect_rows(b)[0], keys)
+    sa, sb = joined_scores(a, collect_rows(a, tests=False)[0], keys), \
+        joined_scores(b, collect_rows(b, tests=False)[0], keys)
     shared = [k for k in sa if k in sb]
     on = f"the fields both vary ({', '.join(keys)}; other factors averaged over)" if keys else "variant names"
     lines = [f"{a.spec.name} vs {b.spec.name}: {len(shared)} variant(s) in both, joined on {on}"]

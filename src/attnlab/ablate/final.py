@@ -28,7 +28,7 @@ from ..checkpoints import average_checkpoints, last_checkpoints
 from ..evaluate import load_module, score, translate_lines
 from ..experiment import Experiment, load_experiment
 from ..train import make_trainer, prepare
-from .study import DONE, StudyHandle, point_states
+from .study import DONE, StudyHandle, final_scores, point_states
 
 log = logging.getLogger("attnlab.ablate")
 
@@ -63,12 +63,12 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
     paths = last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)
     if not paths:
         raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoints to evaluate")
-    ckpt = paths[-1]
+    ckpt, averaged = paths[-1], None
     if len(paths) > 1:
         ckpt = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"
-        average_checkpoints(paths, ckpt)
+        averaged = average_checkpoints(paths, ckpt)  # written to ckpt, and loaded from memory here
     translation = exp.task == "translation"
-    module = load_module(ckpt, resolved.decode if translation else None)
+    module = load_module(ckpt, resolved.decode if translation else None, ckpt=averaged)
     if translation:  # the loops below compute the loss only; decoding is done once, over the whole splits
         module.decode_cfg = module.decode_cfg.replace(val_sentences=0)
     # one process on one device, wherever it runs (a SLURM worker too: the job's task count is not this one's)
@@ -102,11 +102,12 @@ def evaluate_study(h: StudyHandle, evaluate, force: bool = False) -> list[str]:
     """Evaluate every finished trial of a study that has no final evaluation yet (all of them with `force`), from
     its run directory and the config it trained with, without retraining. Returns a line per trial."""
     lines = []
+    attrs = h.study.user_attrs  # read once: this loop adds only keys of trials it has passed
     for s in point_states(h).values():
         t = s.result
         if s.status != DONE or t is None:
             continue
-        if not force and (t.user_attrs.get("final") or h.study.user_attrs.get(f"final:{t.number}")):
+        if not force and final_scores(t, attrs):
             lines.append(f"{s.variant} (seed {s.seed}): already evaluated")
             continue
         run_dir = Path(t.user_attrs["run_dir"])

@@ -29,7 +29,7 @@ from .spec import fmt
 from .stats import Comparison, bootstrap_rows, holm, t_interval, version, welch
 from .study import DONE, FAILED, INVALID, StudyHandle, final_scores, point_states, trial_value
 
-BUILT_IN_ATTRS = {"params": "n_params", "flops": "flops_per_token", "steps": "steps", "tokens": "tokens",
+BUILT_IN_ATTRS = {"flops": "flops_per_token", "steps": "steps", "tokens": "tokens",
                   "tokens_per_s": "tokens_per_s", "wall": "wall_s"}
 
 
@@ -75,9 +75,9 @@ def _mean(xs: list[Any]) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def collect_rows(h: StudyHandle) -> tuple[list[Row], list[str]]:
-    """Rows of finished variants, best first, each with its columns and its comparison with the baseline, and
-    notes on the points that are not in the table."""
+def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[str]]:
+    """Rows of finished variants, best first, each with its columns and (with `tests`) its comparison with the
+    baseline, and notes on the points that are not in the table."""
     spec, attrs = h.spec, h.study.user_attrs
     groups: dict[str, list[tuple[FrozenTrial, float]]] = {}
     notes: list[str] = []
@@ -104,7 +104,7 @@ def collect_rows(h: StudyHandle) -> tuple[list[Row], list[str]]:
         row.cells = {c.source: column_value(row, c, attrs) for c in spec.columns if c.source != "metric"}
         rows.append(row)
     base_row = next((r for r in rows if r.baseline), None)
-    if base_row is not None:
+    if base_row is not None and tests:
         compare(h, rows, base_row)
     rows.sort(key=lambda r: r.mean, reverse=spec.direction == "max")
     if baseline and base_row is None and rows:
@@ -230,9 +230,7 @@ def cell(column: Column, value: Any, d: int = 2) -> str:
         return params(value)
     if column.source == "wall":
         return duration(value)
-    if column.source == "tokens_per_s":
-        return f"{value:,.0f}"
-    if column.source == "steps":
+    if column.source in ("tokens_per_s", "steps"):
         return f"{value:,.0f}"
     return count(value)
 

@@ -35,6 +35,7 @@ optuna params with categorical distributions, so optuna-dashboard and optuna.vis
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import os
@@ -62,7 +63,7 @@ from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit, resolve_fi
 from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
-from .budget import step_cost, with_flops_budget
+from .budget import StepCost, step_cost, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
 from .final import DEFAULT_EVALUATE
 from .spec import AblationSpec, Variant, fmt, short_key
@@ -95,6 +96,13 @@ class Options:
     poll_s: float = 10.0  # how often an idle worker looks again while other workers' points run
     max_trials: int | None = None  # per worker; None = until nothing is left
     linger: bool = True  # wait while other workers' points run (one may be lost); SLURM workers exit instead
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """The Options of `ablate run`, `ablate worker` and `ablate submit` from their command-line arguments."""
+    return Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
+                   poll_s=args.poll, max_trials=getattr(args, "max_trials", None),
+                   linger=not getattr(args, "no_linger", False))
 
 
 @contextmanager
@@ -284,20 +292,29 @@ def _finish(h: StudyHandle, trial_id: int, state: TrialState, attrs: dict[str, A
         return False
 
 
-def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any], seed: int) -> Experiment:
+def trial_setup(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any],
+                seed: int) -> tuple[Experiment, StepCost | None]:
     """The experiment a point runs: its own run directory <study>/runs/<name>-<config hash>, named up front
     so a rerun of the point finds the checkpoint of an earlier, interrupted attempt. With `budget: {flops: X}`
-    its steps are the ones that spend X (budget.py; a translation trial's data is prepared to measure them)."""
+    its steps are the ones that spend X (budget.py; a translation trial's data is prepared to measure them), and
+    the StepCost measured for them is returned with it (None without a FLOPs budget)."""
     exp = spec.experiment(overrides, seed)
     exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs")))
+    cost = None
     if spec.budget_flops:
-        exp = with_flops_budget(exp, spec.budget_flops)[0]
-    return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}"))
+        exp, cost = with_flops_budget(exp, spec.budget_flops)
+    return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}")), cost
 
 
-def collect(run_dir: Path, exp: Experiment, metric: str) -> dict[str, Any]:
+def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any], seed: int) -> Experiment:
+    """The experiment a point runs (trial_setup, without its step cost)."""
+    return trial_setup(spec, study_dir, overrides, seed)[0]
+
+
+def collect(run_dir: Path, exp: Experiment, metric: str, cost: StepCost | None = None) -> dict[str, Any]:
     """What a finished run reports: the metric's last value and its curve (a logged metric), every val/ and test/
-    curve and train/loss, params, steps, tokens trained, FLOPs per token, median tokens/s, the resolved config."""
+    curve and train/loss, params, steps, tokens trained, FLOPs per token, median tokens/s, the resolved config.
+    `cost`: the trial's StepCost when it was already measured (trial_setup), else it is computed here."""
     curves = run_metrics(run_dir)
     csv_path = run_dir / "logs" / "metrics.csv"
     out: dict[str, Any] = {"metric_name": metric}
@@ -314,7 +331,7 @@ def collect(run_dir: Path, exp: Experiment, metric: str) -> dict[str, Any]:
     speeds = sorted(v for _, v in curves.get("train/tokens_per_s", []))
     ckpt = latest_checkpoint(run_dir)
     steps = checkpoint_step(ckpt) if ckpt is not None else None
-    cost = step_cost(exp)
+    cost = step_cost(exp) if cost is None else cost
     return {
         **out,
         "n_params": count_parameters(ModelConfig.from_dict(config["model"]))["total"],
@@ -336,14 +353,14 @@ def _error(h: StudyHandle, claim: Claim, e: Exception) -> str:
     return "error"
 
 
-def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, evaluate: FitFn | None = None) -> str:
-    """Run one claimed point to its recorded end: fit, collect, the final evaluation (`evaluate`, default
+def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, evaluate: FitFn) -> str:
+    """Run one claimed point to its recorded end: fit, collect, the final evaluation (`evaluate`, e.g.
     final.evaluate_run) unless the file says final_eval: false. Returns the status recorded."""
     beat = Heartbeat(h.storage, claim.trial_id, heartbeat_s)
     beat.start()
     try:
         try:
-            exp = trial_experiment(h.spec, h.dir, claim.overrides, claim.seed)
+            exp, cost = trial_setup(h.spec, h.dir, claim.overrides, claim.seed)
         except ConfigError as e:
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": INVALID, "reason": str(e)})
             log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
@@ -362,10 +379,10 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, eval
         try:
             out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
             run_dir = Path(out) if out else run_dir
-            result = collect(run_dir, exp, h.spec.metric)
+            result = collect(run_dir, exp, h.spec.metric, cost)
             result["wall_s"] = time.perf_counter() - t0  # training; the final evaluation's time is its own
             if h.spec.final_eval:
-                result["final"] = (evaluate or resolve_fit(DEFAULT_EVALUATE))(exp, run_dir)
+                result["final"] = evaluate(exp, run_dir)
         except KeyboardInterrupt:
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
             raise

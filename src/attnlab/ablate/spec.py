@@ -148,6 +148,13 @@ class AblationSpec:
                 out.append(Variant(" ".join(parts) or v.name, over, levels))
         return out
 
+    def varied_keys(self) -> set[str]:
+        """The config fields that vary across trials: every override of a grid's variants, or a search's
+        distributions."""
+        if self.is_search:
+            return {d.key for d in self.distributions}
+        return {k for v in self.variants() for k in v.overrides}
+
     def points(self) -> list[Point]:
         """Every (variant, seed) of a grid, seed-major: each variant's first seed comes before any second."""
         variants = self.variants()
@@ -341,7 +348,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         _need(bool(axes or variant_list), f"{src}: nothing varies: give axes:, variants:, or search: optuna")
     columns = parse_columns(raw.get("columns", list(DEFAULT_COLUMNS)), final_eval, src)
     significance = parse_significance(raw.get("significance"), src)
-    arch = load_raw(base).get("model", {}).get("arch", "encoder_decoder")
+    arch = _base_raw(base).get("model", {}).get("arch", "encoder_decoder")
     for name in [str(metric["name"]), *(c.source for c in columns if c.kind == "metric")]:
         _need(arch == "encoder_decoder" or not name.endswith(("bleu", "chrf")),
               f"{src}: {name} is scored for translation experiments only; base {raw['base']} has model.arch={arch}")

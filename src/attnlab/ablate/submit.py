@@ -34,7 +34,7 @@ from ..launch.slurm import (
     script_values,
     snapshot_code,
 )
-from .runner import Options, worker_command
+from .runner import options_from, worker_command
 from .spec import load_spec
 from .study import connect, default_study_dir, prepare_study, status_counts, storage_url
 
@@ -56,8 +56,7 @@ def submit_study(args: argparse.Namespace) -> int:
                           "file systems SLURM jobs share, and admits one writer at a time. Move it to a journal file "
                           f"(or a PostgreSQL URL) first: attnlab ablate move {shlex.quote(str(study_dir))} --to "
                           f"{shlex.quote(str(study_dir / 'journal.log'))}")
-    varied = {k for v in spec.variants() for k in v.overrides} if not spec.is_search else \
-        {d.key for d in spec.distributions}
+    varied = spec.varied_keys()
     for key in ("trainer.devices", "trainer.num_nodes"):
         if key in varied:
             raise ConfigError(f"{spec.path}: {key} varies across trials; one SLURM array has one job shape "
@@ -89,9 +88,7 @@ def submit_study(args: argparse.Namespace) -> int:
     raw.update(name=spec.name, base="experiment.yaml")
     raw["resources"] = {**(raw.get("resources") or {}), "devices": res.tasks_per_node, "nodes": res.nodes}
     raw["overrides"] = {**(raw.get("overrides") or {}), "trainer.num_nodes": res.nodes}
-    opts = Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
-                   poll_s=args.poll)
-    worker = worker_command(spec_copy, study_dir, storage, opts, srun=True)
+    worker = worker_command(spec_copy, study_dir, storage, options_from(args), srun=True)
     template, source = read_template("ablate_worker.sbatch", args.template)
     directives = res.directives(snapshot / "logs", "worker-%A_%a.log", array)
     script = render(template, script_values(snapshot, directives, worker), source)
