@@ -81,7 +81,11 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """An attnlab checkpoint (state_dict and the configs that rebuild its model), migrated to this layout."""
-    ckpt = read(path)
+    return checked(read(path), path)
+
+
+def checked(ckpt: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """load_checkpoint's checks and migration, for a checkpoint already in memory (read from or written to path)."""
     if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"{path}: not an attnlab checkpoint (no state_dict / hyper_parameters)")
     hp = ckpt["hyper_parameters"]

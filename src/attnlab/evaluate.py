@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bleu import sacrebleu_bleu
-from .checkpoints import load_checkpoint
+from .checkpoints import checked, load_checkpoint
 from .config import ConfigError, DecodeConfig, load_yaml
 from .data.tokenizer import Tokenizer
 from .lit import LMModule, MLMModule, Seq2SeqModule
@@ -35,7 +35,7 @@ def run_dir_of(ckpt_path: str | Path) -> Path:
 def load_tokenizer(ckpt_path: str | Path, ckpt: dict[str, Any] | None = None) -> Tokenizer:
     """The tokenizer a checkpoint was trained with: the one it carries (so a .ckpt copied anywhere is enough), or,
     for a checkpoint written before checkpoints carried it, the run directory's tokenizer/ folder."""
-    ckpt = load_checkpoint(ckpt_path) if ckpt is None else ckpt
+    ckpt = load_checkpoint(ckpt_path) if ckpt is None else checked(ckpt, ckpt_path)
     if isinstance(ckpt.get("tokenizer"), dict):
         return Tokenizer.from_files(ckpt["tokenizer"], f"{ckpt_path} (its tokenizer)")
     tok_dir = run_dir_of(ckpt_path) / "tokenizer"
@@ -51,7 +51,7 @@ def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None,
                 ckpt: dict[str, Any] | None = None) -> Seq2SeqModule | LMModule | MLMModule:
     """Rebuild the exact model from the checkpoint's hyper-parameters and load its weights (eval mode). `ckpt`: the
     checkpoint already read from `ckpt_path`, if it was."""
-    ckpt = load_checkpoint(ckpt_path) if ckpt is None else ckpt
+    ckpt = load_checkpoint(ckpt_path) if ckpt is None else checked(ckpt, ckpt_path)
     hp: dict[str, Any] = dict(ckpt["hyper_parameters"])
     hp["compile"] = False
     try:
