@@ -29,6 +29,7 @@ from attnlab.models.layers import (
 )
 from attnlab.models.tables import ACTIVATIONS, RMSNorm
 from attnlab.models.transformer import build_model
+from dispatch_count import DispatchCount
 
 
 def test_sinusoidal_matches_the_paper_formula():
@@ -251,6 +252,16 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error():
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         model(ok[0], ok)
 
+
+
+def test_checking_token_ids_reads_nothing_back_from_the_device():
+    """The range check is an asynchronous assert: a forward with valid ids makes no device-to-host sync."""
+    model = build_model(ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_enc_layers=1, n_dec_layers=1))
+    ok = torch.ones(2, 3, dtype=torch.long)
+    with DispatchCount() as c:
+        model(ok, ok)
+    assert c.syncs == 0, c.sync_ops
+    assert c.ops["aten::_assert_async"] == 2  # source and target checked
 
 def test_sequence_longer_than_learned_table_is_a_clear_error():
     cfg = ModelConfig(arch="decoder_only", vocab_size=10, d_model=16, n_heads=2, n_dec_layers=1,

@@ -21,10 +21,13 @@ def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{what} token ids must be int64 or int32, got {ids.dtype}")
     if ids.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
+        message = f"{what} token id outside the vocabulary [0, {vocab}) (model.vocab_size)"
+        try:  # no host sync: a CPU raises here at once, a GPU raises on its next sync (a device-side assert)
+            torch._assert_async(((ids >= 0) & (ids < vocab)).all(), message)
+        except RuntimeError:  # on a CPU only: read the ids to name the bad one
+            lo, hi = int(ids.min()), int(ids.max())
             bad = lo if lo < 0 else hi
-            raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {vocab}) (model.vocab_size)")
+            raise ValueError(message.replace("token id", f"token id {bad} is", 1)) from None
 
 
 class Stack(nn.Module):
