@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from attnlab.config import CHOICES, ConfigError, ModelConfig
-from attnlab.experiment import load_experiment
+from attnlab.experiment import from_raw, load_experiment
 
 
 def test_defaults_are_the_2017_base_transformer():
@@ -146,3 +146,10 @@ def test_fields_added_later_keep_old_run_directories_while_they_hold_their_defau
     assert exp.replace(data=exp.data.replace(locale_dir=["/opt/locale"])).config_hash() != FIRST_HASHES[recipe]
 
 
+
+
+def test_flash_attn_in_32_bit_precision_is_refused_naming_both_keys():
+    raw = {"model": {"attention_backend": "flash_attn"}, "data": {}, "trainer": {"precision": "32-true"}}
+    with pytest.raises(ConfigError, match=r"attention_backend=flash_attn.*trainer\.precision=32-true"):
+        from_raw(raw)
+    from_raw({**raw, "trainer": {"precision": "bf16-mixed"}})  # 16-bit activations: accepted

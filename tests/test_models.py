@@ -22,6 +22,7 @@ from attnlab.models.attention import Attention, Mask
 from attnlab.models.block import Block
 from attnlab.models.transformer import build_model
 from conftest import jitter
+from dispatch_count import DispatchCount
 
 ARCHS = list(CHOICES["arch"])
 POSITIONS = list(CHOICES["position"])
@@ -57,18 +58,26 @@ def _reference_attention(q, k, v, causal, softcap):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double()).to(q.dtype)  # (Tq, H, hd)
 
 
-def fake_flash_attn() -> types.ModuleType:
+def fake_flash_attn(half_only: bool = False) -> types.ModuleType:
+    """`half_only`: refuse fp32 inputs as the CUDA kernel does (q, k, v must share one dtype, fp16 or bf16)."""
     mod = types.ModuleType("flash_attn")
+
+    def check_dtypes(q, k, v):
+        assert q.dtype == k.dtype == v.dtype, f"flash-attn: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+        assert not half_only or q.dtype in (torch.float16, torch.bfloat16), f"flash-attn: {q.dtype} is not 16-bit"
 
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, softcap=0.0, **kw):
         assert dropout_p == 0.0 and softmax_scale is None and not kw
+        check_dtypes(q, k, v)
         return torch.stack([_reference_attention(q[b], k[b], v[b], causal, softcap) for b in range(q.shape[0])])
 
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
                                softcap=0.0, **kw):
         assert dropout_p == 0.0 and softmax_scale is None and not kw
-        assert cu_q.dtype == cu_k.dtype == torch.int32 and int((cu_q[1:] - cu_q[:-1]).max()) == max_q
-        assert int((cu_k[1:] - cu_k[:-1]).max()) == max_k and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
+        check_dtypes(q, k, v)
+        # max_seqlen_q/k bound the lengths (the kernel sizes its grid with them): a bound, not the exact maximum
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and int((cu_q[1:] - cu_q[:-1]).max()) <= max_q
+        assert int((cu_k[1:] - cu_k[:-1]).max()) <= max_k and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
         outs = [_reference_attention(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]], causal,
                                      softcap) for b in range(len(cu_q) - 1)]
         return torch.cat(outs)  # (total_q, H, hd)
@@ -484,3 +493,39 @@ def test_accounting_equals_the_built_model_component_by_component(arch):
         assert {k: v for k, v in counts.items() if v} == built, cfg
         n += 1
     assert n == len(outer) >= 216
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_attn_with_qk_norm_under_bf16_autocast_gets_one_16bit_dtype(monkeypatch, padded):
+    """Under autocast a norm's output is fp32 while the values are bf16; the kernel takes one 16-bit dtype, so
+    q and k reach it in v's dtype. The stand-in refuses fp32 and mixed dtypes as the CUDA kernel does."""
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(half_only=True))
+    cfg = tiny(qk_norm=True, norm="rmsnorm", norm_position="pre", attention_backend="flash_attn")
+    torch.manual_seed(0)
+    model = jitter(build_model(cfg), 0).eval()
+    src, tgt = tokens(2, 7, 1), tokens(2, 6, 2)
+    if padded:
+        src[1, 4:] = 0  # the varlen path
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(src, tgt).float()  # (B, T, V)
+    set_backend(model, "sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(src, tgt).float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)  # bf16 on both sides
+
+
+def test_flash_attn_varlen_makes_one_sync_per_forward_not_one_per_layer(monkeypatch):
+    """The unpadding index is built once from the shared mask (one read-back of the kept count); the kernel's
+    max_seqlen_k is the padded length, so no layer reads the lengths back. (A silent kernel: the stand-in's own
+    checks read tensors back.)"""
+    quiet = types.ModuleType("flash_attn")
+    quiet.flash_attn_func = lambda q, k, v, **kw: torch.zeros_like(q)
+    quiet.flash_attn_varlen_func = lambda q, k, v, *args, **kw: torch.zeros_like(q)
+    monkeypatch.setitem(sys.modules, "flash_attn", quiet)
+    cfg = tiny(attention_backend="flash_attn", n_enc_layers=3)
+    model = build_model(cfg).eval()
+    src = tokens(2, 7, 1)
+    src[1, 4:] = 0
+    with DispatchCount() as c:
+        model.encode(src)
+    assert c.syncs == 1, c.sync_ops

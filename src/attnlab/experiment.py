@@ -118,6 +118,12 @@ class Experiment:
     trainer: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
+    def __post_init__(self) -> None:
+        if self.model.attention_backend == "flash_attn" and self.trainer.precision == "32-true":
+            raise ConfigError("model.attention_backend=flash_attn needs 16-bit activations (the kernel takes fp16 or "
+                              "bf16 only): trainer.precision=32-true cannot run it; use trainer.precision bf16-mixed "
+                              "(or auto on a GPU), or model.attention_backend sdpa")
+
     @property
     def task(self) -> str:
         """What fit trains: translation, lm or mlm (TASKS); an arch without one is a ConfigError, raised before

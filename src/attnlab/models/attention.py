@@ -8,7 +8,7 @@ memory-efficient kernel when the inputs allow), `flash_attn` (the flash-attn pac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,18 @@ class Mask:
     causal: bool = False
     bias: torch.Tensor | None = None
     key_pad: torch.Tensor | None = None
+    # flash_attn's varlen inputs (kept key rows, cumulative lengths), made once from key_pad for every layer
+    varlen: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def unpadded_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index of each kept key in the flattened (B*Tk) keys, cu_seqlens (B+1,) int32), computed at the
+        first call: one host sync (the number of kept keys) per forward, not one per layer."""
+        if self.varlen is None:
+            keep = ~self.key_pad  # (B, Tk)
+            rows = keep.flatten().nonzero().squeeze(1)  # (N,) the one sync: N is read back
+            cu = F.pad(keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # (B+1,)
+            self.varlen = (rows, cu)
+        return self.varlen
 
 
 def causal_allowed(Tq: int, Tk: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -286,18 +298,19 @@ class Attention(nn.Module):
         if mask.bias is not None and mask.key_pad is None:
             raise ValueError("attention_backend=flash_attn cannot apply an arbitrary mask; use sdpa or eager")
         B, H, Tq, hd = q.shape
+        # the kernel takes one 16-bit dtype: under autocast a norm's output (QK-norm) is fp32 while v is bf16
+        q, k = q.to(v.dtype), k.to(v.dtype)
         causal = mask.causal  # bottom-right aligned, as flash-attn aligns it
         extra = {"softcap": self.softcap} if self.softcap else {}
         qf, kf, vf = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H|Hkv, hd)
         if mask.key_pad is None:
             # flash-attn aligns a causal mask bottom-right, which is what a cached prefix needs
             return flash_attn_func(qf, kf, vf, dropout_p=p, causal=causal, **extra).transpose(1, 2)
-        keep = ~mask.key_pad  # (B, Tk)
-        k_lens = keep.sum(1, dtype=torch.int32)  # (B,)
-        cu_k = F.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))  # (B+1,)
+        rows, cu_k = mask.unpadded_keys()  # (N,), (B+1,)
         cu_q = torch.arange(0, (B + 1) * Tq, Tq, dtype=torch.int32, device=q.device)  # every query kept
+        Tk = kf.shape[1]  # max_seqlen_k is a bound for the kernel's grid: the padded length serves, with no sync
         out = flash_attn_varlen_func(
-            qf.reshape(B * Tq, H, hd), kf[keep], vf[keep], cu_q, cu_k, Tq, int(k_lens.max()),
+            qf.reshape(B * Tq, H, hd), kf.flatten(0, 1)[rows], vf.flatten(0, 1)[rows], cu_q, cu_k, Tq, Tk,
             dropout_p=p, causal=causal, **extra,
         )  # (B*Tq, H, hd)
         return out.view(B, Tq, H, hd).transpose(1, 2)  # (B, H, Tq, hd)
