@@ -13,7 +13,7 @@ from torchmetrics.aggregation import SumMetric
 from ..config import ModelConfig, OptimConfig
 from ..models.transformer import build_model
 from .loss import linear_cross_entropy, token_loss
-from .optim import make_optimizer, make_scheduler
+from .optim import make_optimizer, make_scheduler, scale_grads_
 
 
 class BaseModule(L.LightningModule):
@@ -114,11 +114,8 @@ class BaseModule(L.LightningModule):
         self._tokens = self._tokens + tokens  # the same all-reduce counts the run's tokens: every rank holds the total
         self.log("train/tokens", self._tokens.double())
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
         if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            self.log("train/grad_norm", norm)
+            self.log("train/grad_norm", scale_grads_(grads, scale))
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
