@@ -14,7 +14,6 @@ import time
 from datetime import timedelta
 from typing import Any, TextIO
 
-import torch
 from lightning.pytorch.callbacks import Callback, Timer, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
@@ -23,13 +22,25 @@ def progress_callback(every: int, name: str, stream: TextIO | None = None) -> Ca
     """tqdm's bar when `stream` (default stderr) is a terminal, else `LineProgress`."""
     stream = stream or sys.stderr
     if stream.isatty():
-        return TQDMProgressBar(refresh_rate=max(1, every // 5))
+        return LossBar(refresh_rate=max(1, every // 5))
     return LineProgress(every, name, stream)
 
 
+class LossBar(TQDMProgressBar):
+    """tqdm's bar, showing the training loss, read when the bar refreshes (every `refresh_rate` steps) rather than
+    converted by Lightning after every step as a prog_bar metric would be."""
+
+    def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None and trainer.training:
+            items["loss"] = f"{float(loss):.4g}"
+        return items
+
+
 class LineProgress(ProgressBar):
-    """One plain line every `every` optimizer steps (step, loss, learning rate, tokens/s averaged since the last
-    line, ETA) and one per validation (its metrics), from global rank 0."""
+    """One plain line every `every` optimizer steps (step, loss, learning rate, tokens/s of all ranks since the
+    last line, validation time left out, ETA) and one per validation (its metrics), from global rank 0."""
 
     def __init__(self, every: int, name: str = "", stream: TextIO | None = None) -> None:
         super().__init__()
@@ -37,7 +48,9 @@ class LineProgress(ProgressBar):
         self._enabled = True
         self._start: tuple[float, int] | None = None  # (time, global step) when this fit started training
         self._last_step = -1
-        self._speeds: list[torch.Tensor] = []
+        self._mark: tuple[float, int] | None = None  # (time, tokens trained) at the last line
+        self._val_time = 0.0  # seconds of validation since the last line (not training time)
+        self._val_start: float | None = None
 
     def disable(self) -> None:
         self._enabled = False
@@ -66,26 +79,36 @@ class LineProgress(ProgressBar):
         return None if left is None else timedelta(seconds=round(left))
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        m = trainer.callback_metrics
-        if "train/tokens_per_s" in m:  # a tensor on the device: read on printing, not a sync every step
-            self._speeds.append(m["train/tokens_per_s"].detach().clone())
         step = trainer.global_step
-        if step == self._last_step or step % self.every:
+        if step == self._last_step or step % self.every:  # nothing is read on the other steps: no host sync
             return
         self._last_step = step
+        m = trainer.callback_metrics
         parts = [f"step {step}/{trainer.max_steps}"]
         if "train/loss" in m:
             parts.append(f"loss {float(m['train/loss']):.4g}")
         if "train/lr" in m:
             parts.append(f"lr {float(m['train/lr']):.2e}")
-        if self._speeds:
-            parts.append(f"{sum(float(v) for v in self._speeds) / len(self._speeds):,.0f} tokens/s")
-            self._speeds = []
+        now, tokens = time.perf_counter(), int(getattr(pl_module, "_tokens", 0))  # all ranks' tokens so far
+        if self._mark is not None and now - self._mark[0] - self._val_time > 0:
+            rate = (tokens - self._mark[1]) / (now - self._mark[0] - self._val_time)
+            parts.append(f"{rate:,.0f} tokens/s")
+        self._mark, self._val_time = (now, tokens), 0.0
         eta = self.eta(trainer)
         parts.append(f"ETA {eta}" if eta is not None else "ETA unknown")
         self._print(" | ".join(parts))
 
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if self._mark is None:  # the first line's rate counts from the first step of this fit
+            self._mark = (time.perf_counter(), int(getattr(pl_module, "_tokens", 0)))
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._val_start = time.perf_counter()
+
     def on_validation_end(self, trainer, pl_module) -> None:
+        if self._val_start is not None:
+            self._val_time += time.perf_counter() - self._val_start
+            self._val_start = None
         if trainer.sanity_checking or trainer.state.fn != "fit":  # validate/test print their own results
             return
         shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}

@@ -326,10 +326,10 @@ def collate_pairs(items: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, 
     """src (B, S) = ids + EOS; tgt_in (B, T) = BOS + ids; tgt_out (B, T) = ids + EOS; PAD elsewhere.
     Also src_lens (B,), tgt_lens (B,), ntokens (non-pad target tokens, int) and ids (B,) dataset indices."""
     B = len(items)
-    src_lens = torch.tensor([len(s) + 1 for s, _, _ in items])
-    tgt_lens = torch.tensor([len(t) + 1 for _, t, _ in items])
-    src = torch.full((B, int(src_lens.max())), PAD_ID, dtype=torch.long)  # (B, S)
-    tgt_in = torch.full((B, int(tgt_lens.max())), PAD_ID, dtype=torch.long)  # (B, T)
+    src_n, tgt_n = [len(s) + 1 for s, _, _ in items], [len(t) + 1 for _, t, _ in items]  # Python ints: no tensor read
+    src_lens, tgt_lens = torch.tensor(src_n), torch.tensor(tgt_n)  # (B,)
+    src = torch.full((B, max(src_n)), PAD_ID, dtype=torch.long)  # (B, S)
+    tgt_in = torch.full((B, max(tgt_n)), PAD_ID, dtype=torch.long)  # (B, T)
     tgt_out = torch.full_like(tgt_in, PAD_ID)  # (B, T)
     for row, (s, t, _) in enumerate(items):
         n, m = len(s), len(t)
@@ -341,7 +341,7 @@ def collate_pairs(items: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, 
         tgt_out[row, :m] = t64
         tgt_out[row, m] = EOS_ID
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out, "src_lens": src_lens, "tgt_lens": tgt_lens,
-            "ntokens": int(tgt_lens.sum()), "ids": torch.tensor([i for _, _, i in items])}
+            "ntokens": sum(tgt_n), "ids": torch.tensor([i for _, _, i in items])}
 
 
 class WindowDataset(Dataset):

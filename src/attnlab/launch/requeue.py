@@ -58,7 +58,11 @@ class RequeueOnUSR1(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not trainer.strategy.reduce_boolean_decision(self.signalled, all=False):  # any rank signalled
+        # any rank signalled: an all-reduce read back on the host, so only on the steps that log (USR1 comes
+        # minutes before the time limit; --signal=USR1@N), not on every step
+        if trainer.global_step % trainer.log_every_n_steps:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
             return
         self.signalled = False
         n = 1 + max([int(p.stem.rpartition("_")[2]) for p in self.run_dir.glob("hpc_ckpt_*.ckpt")

@@ -81,9 +81,12 @@ class BaseModule(L.LightningModule):
     def log_train_step(self, loss: torch.Tensor, nll: torch.Tensor, n_tokens: torch.Tensor) -> None:
         now = time.perf_counter()
         n = n_tokens.float().clamp_min(1)
-        self.log("train/loss", loss, prog_bar=True)
+        # not prog_bar: Lightning converts progress-bar metrics to Python numbers after every batch (a host sync per
+        # step); the bar reads train/loss itself when it refreshes (progress.py)
+        self.log("train/loss", loss)
         self.log("train/nll", nll / n)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        if self.trainer._logger_connector.should_update_logs:  # a float becomes a device tensor: only when logged
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         if self._last_step_time is not None:  # tokens of this step over the time since the last one
             self.log("train/tokens_per_s", n_tokens.float() / max(now - self._last_step_time, 1e-9))
         self._last_step_time = now
@@ -108,7 +111,9 @@ class BaseModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         t = self.trainer
         # Lightning divided each micro-batch's loss by accumulate, DDP (and FSDP) average the ranks' gradients
-        tokens = t.strategy.reduce(self._step_tokens.clone(), reduce_op="sum")  # long: exact at any batch size
+        tokens = self._step_tokens.clone()  # long: exact at any batch size
+        if t.world_size > 1:  # one all-reduce, no barrier (Lightning's strategy.reduce adds one: a host wait)
+            torch.distributed.all_reduce(tokens)
         scale = t.accumulate_grad_batches * t.world_size / tokens.clamp_min(1)
         self._step_tokens = torch.zeros_like(self._step_tokens)
         self._tokens = self._tokens + tokens  # the same all-reduce counts the run's tokens: every rank holds the total
