@@ -203,3 +203,9 @@ def test_lm_windows_are_shifted_by_one(tmp_path):
     b = collate_windows([ds[0], ds[1]])
     assert b["input"].tolist() == [[5, 6, 7, EOS_ID], [8, 9, EOS_ID, 10]]
     assert b["target"].tolist() == [[6, 7, EOS_ID, 8], [9, EOS_ID, 10, 11]]
+
+
+def test_collate_says_on_the_host_whether_the_sources_are_padded():
+    same = [(np.array([5, 6]), np.array([7]), 0), (np.array([8, 9]), np.array([7, 7]), 1)]
+    assert collate_pairs(same)["src_padded"] is False
+    assert collate_pairs([*same, (np.array([5]), np.array([7]), 2)])["src_padded"] is True

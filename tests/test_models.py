@@ -529,3 +529,38 @@ def test_flash_attn_varlen_makes_one_sync_per_forward_not_one_per_layer(monkeypa
     with DispatchCount() as c:
         model.encode(src)
     assert c.syncs == 1, c.sync_ops
+
+
+def spy_sdpa(monkeypatch) -> list[dict]:
+    """Record the arguments of every F.scaled_dot_product_attention call attnlab makes."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append({"mask": attn_mask, "is_causal": is_causal, "gqa": kw.get("enable_gqa", False),
+                      "heads": (q.shape[1], k.shape[1]), "Tq": q.shape[2]})
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_sdpa_gets_no_mask_without_padding_is_causal_in_the_decoder_and_enable_gqa(monkeypatch):
+    """What lets SDPA pick its flash kernel: no attn_mask when the batch has no padding (encoder and
+    cross-attention), is_causal=True for decoder self-attention, K/V heads never repeated (enable_gqa). With
+    padding the encoder and cross-attention get their mask, and both ways give the same outputs."""
+    cfg = tiny()  # 4 query heads, 2 K/V heads
+    model = jitter(build_model(cfg), 0).eval()
+    src, tgt = tokens(2, 7, 1), tokens(2, 6, 2)
+    calls = spy_sdpa(monkeypatch)
+    no_mask = model(src, tgt, src_padded=False)  # (B, T, V)
+    assert len(calls) == 2 + 2 * 2  # encoder self, decoder self + cross, per layer
+    assert all(c["mask"] is None and c["gqa"] and c["heads"] == (4, 2) for c in calls), calls
+    assert sum(c["is_causal"] for c in calls) == 2  # decoder self-attention
+    calls.clear()
+    torch.testing.assert_close(model(src, tgt), no_mask, rtol=1e-6, atol=1e-6)  # a mask with nothing hidden
+    assert sum(c["mask"] is not None for c in calls) == 4 and sum(c["is_causal"] for c in calls) == 2
+    for arch, kw in (("decoder_only", {}), ("encoder_only", {"padded": False})):
+        calls.clear()
+        one = jitter(build_model(tiny(arch=arch)), 0).eval()
+        one(tgt, **kw)
+        assert all(c["mask"] is None and c["gqa"] and c["is_causal"] == (arch == "decoder_only") for c in calls)

@@ -324,7 +324,8 @@ class PairDataset(Dataset):
 
 def collate_pairs(items: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, Any]:
     """src (B, S) = ids + EOS; tgt_in (B, T) = BOS + ids; tgt_out (B, T) = ids + EOS; PAD elsewhere.
-    Also src_lens (B,), tgt_lens (B,), ntokens (non-pad target tokens, int) and ids (B,) dataset indices."""
+    Also src_lens (B,), tgt_lens (B,), ntokens (non-pad target tokens, int), ids (B,) dataset indices and
+    src_padded (bool: any source shorter than S)."""
     B = len(items)
     src_n, tgt_n = [len(s) + 1 for s, _, _ in items], [len(t) + 1 for _, t, _ in items]  # Python ints: no tensor read
     src_lens, tgt_lens = torch.tensor(src_n), torch.tensor(tgt_n)  # (B,)
@@ -341,7 +342,8 @@ def collate_pairs(items: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, 
         tgt_out[row, :m] = t64
         tgt_out[row, m] = EOS_ID
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out, "src_lens": src_lens, "tgt_lens": tgt_lens,
-            "ntokens": sum(tgt_n), "ids": torch.tensor([i for _, _, i in items])}
+            "ntokens": sum(tgt_n), "ids": torch.tensor([i for _, _, i in items]),
+            "src_padded": min(src_n) < max(src_n)}  # a Python bool: the model skips the source mask without a sync
 
 
 class WindowDataset(Dataset):

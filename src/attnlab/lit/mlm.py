@@ -56,7 +56,8 @@ class MLMModule(BaseModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, target = self.masked(batch["input"])  # (B, T) each
-        out = self.model(inputs, return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
+        # windows of the token stream hold no padding: no mask, so SDPA may take its flash kernel
+        out = self.model(inputs, return_hidden=self.loss_chunk > 0, padded=False)  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, target)
         self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
         return self.step_loss(loss_sum, n)
@@ -64,7 +65,7 @@ class MLMModule(BaseModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         inputs, target = self.masked(batch["input"], g)  # (B, T) each
-        logits = self.model(inputs)  # (B, T, V)
+        logits = self.model(inputs, padded=False)  # (B, T, V)
         _, nll_sum, n = self.loss(logits, target)
         self.eval_nll.update(nll_sum)
         self.eval_tokens.update(n)

@@ -49,7 +49,8 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_chunk > 0)  # (B, T, V) or (B, T, d)
+        out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_chunk > 0,
+                         src_padded=batch.get("src_padded", True))  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, batch["tgt_out"])
         self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
         return self.step_loss(loss_sum, n)
@@ -61,7 +62,7 @@ class Seq2SeqModule(BaseModule):
         self._eval_step(batch, self.decode_cfg.beam)
 
     def _eval_step(self, batch: dict[str, torch.Tensor], beam: int) -> None:
-        logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
+        logits = self.model(batch["src"], batch["tgt_in"], src_padded=batch.get("src_padded", True))  # (B, T, V)
         _, nll_sum, n = self.loss(logits, batch["tgt_out"])
         self.eval_nll.update(nll_sum)
         self.eval_tokens.update(n)

@@ -67,14 +67,17 @@ class Stack(nn.Module):
         memory: torch.Tensor | None = None,
         memory_pad: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        padded: bool = True,
     ) -> torch.Tensor:
+        """`padded=False`: the caller knows (on the host) that `ids` hold no padding, so an encoder builds no mask
+        and SDPA may take its flash kernel; a causal stack never masks padded keys (they follow the real ones)."""
         T = ids.shape[1]
         start = cache.pos if cache is not None else 0  # an int, or a 0-d device tensor (StaticKVCache)
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
         if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
             x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
         x = self.drop(self.embed_norm(x))  # (B, T, d)
-        key_pad = ids.eq(self.cfg.pad_id) if not self.causal else None  # (B, T) True at padding
+        key_pad = ids.eq(self.cfg.pad_id) if padded and not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
         rope = None
@@ -158,13 +161,15 @@ class EncoderDecoder(_Model):
         super().__init__(cfg, encoder=Stack(cfg, src_embed, cfg.n_enc_layers, causal=False, cross=False),
                          decoder=Stack(cfg, tgt_embed, cfg.n_dec_layers, causal=True, cross=True))
 
-    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B, S) padded with pad_id -> memory (B, S, d), src_pad (B, S) True at padding."""
+    def encode(self, src: torch.Tensor, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """src (B, S) padded with pad_id -> memory (B, S, d), src_pad (B, S) True at padding. `padded=False` (the
+        batch is known to hold no padding): src_pad is None, and neither the encoder nor the cross-attention gets
+        a mask."""
         check_ids(src, self.cfg.source_vocab_size, "source")
-        return self.encoder(src), src.eq(self.cfg.pad_id)
+        return self.encoder(src, padded=padded), src.eq(self.cfg.pad_id) if padded else None
 
     def decode(
-        self, tgt: torch.Tensor, memory: torch.Tensor, src_pad: torch.Tensor, cache: KVCache | None = None,
+        self, tgt: torch.Tensor, memory: torch.Tensor, src_pad: torch.Tensor | None, cache: KVCache | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """tgt (B, T): the whole target prefix, or with a cache only the new tokens -> logits (B, T, V)."""
@@ -172,8 +177,9 @@ class EncoderDecoder(_Model):
         h = self.decoder(tgt, memory=memory, memory_pad=src_pad, cache=cache)  # (B, T, d)
         return h if return_hidden else self.logits(h)
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        memory, src_pad = self.encode(src)  # (B, S, d), (B, S)
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, return_hidden: bool = False,
+                src_padded: bool = True) -> torch.Tensor:
+        memory, src_pad = self.encode(src, padded=src_padded)  # (B, S, d), (B, S) or None
         return self.decode(tgt, memory, src_pad, return_hidden=return_hidden)  # (B, T, V)
 
     def new_cache(self) -> KVCache:
@@ -188,14 +194,15 @@ class _OneStack(_Model):
         stack = Stack(cfg, nn.Embedding(cfg.vocab_size, cfg.d_model), n_layers, causal=causal, cross=False)
         super().__init__(cfg, **{"decoder" if causal else "encoder": stack})
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False,
+                padded: bool = True) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, V) (or hidden states (B, T, d)). With a cache (causal only), ids are the new
-        tokens after cache.pos; an encoder's ids may be padded with pad_id."""
+        tokens after cache.pos; an encoder's ids may be padded with pad_id (`padded=False`: known to hold none)."""
         check_ids(ids, self.cfg.vocab_size, "input")
         stack = self._stack()  # the only one
         if cache is not None and not stack.causal:
             raise ValueError("a KV cache is for causal decoding; an encoder attends both ways")
-        h = stack(ids, cache=cache)  # (B, T, d)
+        h = stack(ids, cache=cache, padded=padded)  # (B, T, d)
         return h if return_hidden else self.logits(h)
 
 
