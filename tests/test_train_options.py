@@ -4,6 +4,7 @@ trainer.max_time_min (a clean stop with checkpoints), trainer.compile (the eager
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from attnlab.checkpoints import load_checkpoint
+from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
 from attnlab.train import fit, make_module, make_trainer, prepare
 from test_train import read_metrics, write_recipe
@@ -124,21 +126,47 @@ def test_max_time_min_stops_cleanly_with_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_gives_the_eager_losses(tmp_path):
+def test_compile_gives_the_eager_losses_and_a_checkpoint_that_loads_everywhere(tmp_path):
     """trainer.compile (each block through torch.compile, the default inductor backend, on the CPU): the same
-    per-step training losses as the eager run."""
-    losses, kinds = {}, {}
+    per-step training losses as the eager run; blocks keep their class and parameter names, so the compiled run's
+    checkpoint loads like any other (load_module: test, translate, demo, export, the final evaluation); the
+    validation's beam search runs the blocks eagerly, so decoding compiles no graph per length."""
+    losses, kinds, graphs = {}, {}, {}
 
     class Kind(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
-            kinds[compiled] = {type(b).__name__ for s in (pl_module.model.encoder, pl_module.model.decoder)
-                               for b in s.layers}
+            kinds[compiled] = {(type(b).__name__, b._compiled_call_impl is not None)
+                               for s in (pl_module.model.encoder, pl_module.model.decoder) for b in s.layers}
 
     for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         recipe = write_recipe(tmp_path, name=f"c{int(compiled)}", model={"dropout": 0.0},
-                              trainer={"max_steps": 3, "val_every": 1000, "compile": compiled})
+                              trainer={"max_steps": 3, "val_every": 3, "compile": compiled},
+                              decode={"val_sentences": 8, "val_beam": 2, "max_len_b": 10})
         run_dir = fit(load_experiment(recipe), callbacks=[Kind()])
-        logged = read_metrics(run_dir / "logs" / "metrics.csv")["train/loss"]
-        losses[compiled] = [v[0] for _, v in sorted(logged.items())]
-    assert kinds == {False: {"Block"}, True: {"OptimizedModule"}}
+        graphs[compiled] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        logged = read_metrics(run_dir / "logs" / "metrics.csv")
+        losses[compiled] = [v[0] for _, v in sorted(logged["train/loss"].items())]
+        assert "val/bleu" in logged  # the validation decoded
+        module = load_module(run_dir / "checkpoints" / "last.ckpt")  # strict: every weight by its plain name
+        assert all("_orig_mod" not in k for k in module.state_dict())
+    assert kinds == {False: {("Block", False)}, True: {("Block", True)}}
     assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+    # encoder and decoder blocks, in train and eval mode: 4 graphs; decoding through the compiled blocks added 3
+    # more even in this 10-token beam search (and one per new cache state and length on longer ones)
+    assert graphs[False] == 0 and 0 < graphs[True] <= 4, graphs
+
+
+def test_a_checkpoint_of_blocks_wrapped_by_torch_compile_loads_with_plain_names(tmp_path):
+    """Checkpoints written while compiled blocks were wrapped (`layers.N._orig_mod.<name>`) load everywhere."""
+    recipe = write_recipe(tmp_path, trainer={"max_steps": 1, "val_every": 100})
+    ckpt_path = fit(load_experiment(recipe)) / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    plain = dict(ckpt["state_dict"])
+    ckpt["state_dict"] = {re.sub(r"(layers\.\d+)\.", r"\1._orig_mod.", k): v for k, v in plain.items()}
+    assert any("._orig_mod." in k for k in ckpt["state_dict"])
+    wrapped = tmp_path / "wrapped.ckpt"
+    torch.save(ckpt, wrapped)
+    module = load_module(wrapped)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in plain.items())

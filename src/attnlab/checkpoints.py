@@ -131,7 +131,11 @@ def v1_norm_key(key: str, norm_position: str, block: str) -> str:
 
 
 def migrate(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """Bring a checkpoint dict to this layout in place (and return it). Layout 1: see the module docstring."""
+    """Bring a checkpoint dict to this layout in place (and return it). Layout 1: see the module docstring. Any
+    layout: weights saved from blocks wrapped by torch.compile (`layers.N._orig_mod.<name>`, before compiled blocks
+    kept their names) get their plain names."""
+    if any("._orig_mod." in k for k in ckpt.get("state_dict", {})):
+        ckpt["state_dict"] = {k.replace("._orig_mod.", "."): v for k, v in ckpt["state_dict"].items()}
     if ckpt.get("attnlab_format", 1) >= FORMAT:
         return ckpt
     model = ckpt.get("hyper_parameters", {}).get("model", {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -14,6 +15,13 @@ from ..config import ModelConfig, OptimConfig
 from ..models.transformer import build_model
 from .loss import linear_cross_entropy, token_loss
 from .optim import make_optimizer, make_scheduler, scale_grads_
+
+
+def eager_blocks() -> contextlib.AbstractContextManager:
+    """Run torch.compile'd code eagerly inside (torch >= 2.6): step-by-step decoding through compiled blocks
+    recompiles for every new length and cache state until dynamo's recompile limit."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 class BaseModule(L.LightningModule):
@@ -40,12 +48,14 @@ class BaseModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        if self._compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
-            # compile each block, not the whole model: fast to compile, robust to varying shapes
+        if self._compile:
+            # compile each block, not the whole model: fast to compile, robust to varying shapes. In place
+            # (nn.Module.compile): the blocks keep their class and their parameter names, so a compiled run's
+            # checkpoint loads in every command. Decoding runs them eagerly (decoding_eagerly).
             for stack in (getattr(self.model, "encoder", None), getattr(self.model, "decoder", None)):
-                if stack is not None:
-                    for i, layer in enumerate(stack.layers):
-                        stack.layers[i] = torch.compile(layer, dynamic=True)
+                for layer in stack.layers if stack is not None else ():
+                    if getattr(layer, "_compiled_call_impl", None) is None:
+                        layer.compile(dynamic=True)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.model_cfg

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..bleu import sacrebleu_bleu
 from ..config import DecodeConfig
 from ..decode import beam_search, greedy_search
-from .base import BaseModule
+from .base import BaseModule, eager_blocks
 
 
 def gather_strings(items: list[str], world_size: int) -> list[str]:
@@ -93,9 +93,10 @@ class Seq2SeqModule(BaseModule):
         beam = c.beam if beam is None else beam
         kw = dict(max_len_a=c.max_len_a, max_len_b=c.max_len_b, bos_id=self.bos_id, eos_id=self.eos_id,
                   pad_id=self.model_cfg.pad_id)
-        if beam == 1:
-            return greedy_search(self.model, src, **kw)
-        hyps = beam_search(self.model, src, beam_size=beam, len_penalty=c.len_penalty, penalty=c.penalty, **kw)
+        with eager_blocks():  # compiled blocks (trainer.compile) would recompile for each decoding length
+            if beam == 1:
+                return greedy_search(self.model, src, **kw)
+            hyps = beam_search(self.model, src, beam_size=beam, len_penalty=c.len_penalty, penalty=c.penalty, **kw)
         return [h[0][0] if isinstance(h[0], tuple) else h for h in hyps]
 
     # ------------------------------------------------------------------ epoch ends
