@@ -4,6 +4,8 @@ trainer.max_time_min (a clean stop with checkpoints), trainer.compile (the eager
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import time
 
@@ -15,6 +17,7 @@ from torch.utils.data import DataLoader
 from attnlab.checkpoints import load_checkpoint
 from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
+from attnlab.launch.requeue import unused_allocation
 from attnlab.train import fit, make_module, make_trainer, prepare
 from test_train import read_metrics, write_recipe
 
@@ -170,3 +173,24 @@ def test_a_checkpoint_of_blocks_wrapped_by_torch_compile_loads_with_plain_names(
     torch.save(ckpt, wrapped)
     module = load_module(wrapped)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in plain.items())
+
+
+def test_fit_in_a_batch_script_without_srun_warns_and_does_not_wait_for_absent_tasks(tmp_path, monkeypatch, caplog):
+    """`attnlab fit` run by an sbatch script itself (no srun step) in a 2-task, 4-GPU allocation: a warning at
+    the default level names what goes unused and the fix, and the Trainer is one process (it does not take
+    SLURM's 2 tasks for its own and wait for a second rank that never starts). Under srun: no warning."""
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    exp = load_experiment(write_recipe(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        trainer = make_trainer(exp, tmp_path / "run")
+    assert trainer.world_size == 1
+    [warning] = [r for r in caplog.records if "not under srun" in r.getMessage()]
+    assert "job 77" in warning.getMessage() and "2 tasks, 4 GPUs on this node" in warning.getMessage()
+    assert "srun attnlab fit" in warning.getMessage() and warning.levelno == logging.WARNING
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task of an srun step
+    assert unused_allocation() is None

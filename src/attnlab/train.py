@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -30,7 +30,7 @@ from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
 from .experiment import Experiment
-from .launch.requeue import RequeueOnUSR1
+from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
 from .progress import progress_callback
@@ -139,7 +139,14 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
     elif t.strategy == "ddp" and not gpu:
         strategy = DDPStrategy(process_group_backend="gloo")
     devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO()], []
-    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+    unused = unused_allocation()
+    if unused:  # the batch script itself: SLURM's task count describes srun steps this process is not one of
+        log.warning("attnlab fit runs in SLURM job %s's batch script, not under srun: this one process trains on "
+                    "one device and the allocation's %s go unused (with several tasks Lightning would wait for the "
+                    "others forever). Start it as `srun attnlab fit ...` (#SBATCH --ntasks-per-node=<GPUs per "
+                    "node>), or submit with `attnlab fit --slurm`", os.environ["SLURM_JOB_ID"], unused)
+        plugins.append(LightningEnvironment())  # not SLURM's: Lightning would read the tasks as its ranks
+    elif "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         # started by srun in a SLURM job (Lightning's own test): one process per device, as many as SLURM started
         num_nodes = int(os.environ.get("SLURM_NNODES", "1"))
         per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "8", or "8(x2)" in some versions

@@ -35,6 +35,18 @@ def job_identity() -> tuple[str, int] | None:
     return key, int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
+def unused_allocation() -> str | None:
+    """Inside a SLURM job's batch script (no srun step: SLURM_STEP_ID unset) whose allocation has more than one
+    task, GPU or node: what would go unused, in words (one process trains on one device). None otherwise."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+        return None
+    counts = {"tasks": env.get("SLURM_NTASKS"), "GPUs on this node": env.get("SLURM_GPUS_ON_NODE"),
+              "nodes": env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")}
+    many = [f"{v} {what}" for what, v in counts.items() if v and v.isdigit() and int(v) > 1]
+    return ", ".join(many) or None
+
+
 class RequeueOnUSR1(Callback):
     """On USR1 (`--signal=USR1@N` before the time limit, `scancel --signal=USR1`): at the next step boundary every
     rank saves <run dir>/hpc_ckpt_N.ckpt, rank 0 runs `scontrol requeue`, and all wait for SLURM's SIGTERM."""
