@@ -18,6 +18,7 @@ import torch
 import yaml
 
 import attnlab.cli
+from attnlab.ablate import final
 from attnlab.cli import main
 from attnlab.config import ConfigError
 from attnlab.data.tokenizer import Tokenizer
@@ -297,6 +298,43 @@ def test_translate_and_generate_decode_on_cuda_when_faked_and_on_the_device_give
     assert moved == [(torch.device("cpu"),) * 3]
     capsys.readouterr()
 
+
+def test_test_validate_demo_and_the_final_evaluation_decode_on_cuda_in_bf16_when_faked(runs, capsys, monkeypatch):
+    """Each command that decodes, with CUDA faked (the decoding and the loss loop stubbed): translate_lines gets
+    cuda and bf16 (the recipe trains with precision auto: bf16-mixed on a GPU) and the loss loop a GPU Trainer,
+    for `test`, `validate`, `demo` and an ablation trial's final evaluation."""
+    seen: list[tuple] = []
+    trainers: list[tuple] = []
+
+    def fake_translate(module, tok, lines, beam=None, device=None, dtype=None):
+        seen.append((device, dtype))
+        return ["x"] * len(lines)
+
+    class FakeTrainer:
+        def validate(self, module, datamodule=None, verbose=False):
+            return [{"val/loss": 1.0, "val/ppl": 2.7}]
+
+        def test(self, module, datamodule=None, verbose=False):
+            return [{"test/loss": 1.0, "test/ppl": 2.7}]
+
+    def fake_make_trainer(exp, run_dir, **kw):
+        trainers.append((exp.trainer.accelerator, kw.get("devices")))
+        return FakeTrainer()
+
+    for mod in (attnlab.cli, final):
+        monkeypatch.setattr(mod, "translate_lines", fake_translate)
+        monkeypatch.setattr(mod, "make_trainer", fake_make_trainer)
+    monkeypatch.setattr(attnlab.cli, "fit", lambda exp, **kw: runs["mt"])  # demo: the run trained already
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    last = str(runs["mt"] / "checkpoints" / "last.ckpt")
+    for command in ("test", "validate"):
+        assert main([command, "-c", str(runs["recipe"]), "--model.norm", "rmsnorm", "--ckpt", last]) == 0
+    assert main(["demo", "-c", str(runs["recipe"]), "--model.norm", "rmsnorm"]) == 0
+    final.evaluate_run(load_experiment(runs["mt"] / "config.yaml"), runs["mt"])
+    assert seen == [(torch.device("cuda"), torch.bfloat16)] * (3 + len(final.SPLITS))
+    assert trainers[:2] == [("gpu", [0])] * 2 and trainers[2][0] == "auto"  # the final evaluation: auto picks it
+    capsys.readouterr()
 
 def test_decoding_under_cpu_bf16_autocast_matches_fp32(runs):
     """The same model and sentences in fp32 and under bf16 autocast: teacher-forced logits agree to bf16's

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.plugins.environments import LightningEnvironment
 
 from ..checkpoints import average_checkpoints, last_checkpoints
-from ..evaluate import load_module, score, translate_lines
+from ..evaluate import decode_dtype, load_module, score, translate_lines
 from ..experiment import Experiment, load_experiment
 from ..train import make_trainer, prepare
 from .study import DONE, StudyHandle, final_scores, point_states
@@ -81,9 +81,11 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
     eval_dir = run_dir / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     if translation:
+        device = torch.device(eval_device(exp))
         for split in SPLITS:
             srcs, refs = dm.split_texts(split)
-            hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=eval_device(exp))
+            hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=device,
+                                   dtype=decode_dtype(device, exp.trainer.precision))  # the recipe's dtype
             hyps, refs = [one_line(h) for h in hyps], [one_line(r) for r in refs]
             write_lines(eval_dir / f"{split}.hyp", hyps)
             write_lines(eval_dir / f"{split}.ref", refs)
