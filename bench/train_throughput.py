@@ -3,6 +3,7 @@
     python bench/train_throughput.py                      # CUDA: issue 7's shapes, eager and torch.compile
     python bench/train_throughput.py --cpu                # small shapes on the CPU, eager: runs anywhere
     python bench/train_throughput.py --modes compile --only encdec/ --json $OUT/train.json
+    python bench/train_throughput.py --tasks encdec --recipe experiments/demo_en_de.yaml   # a recipe's shape
 
 Shapes (full; --cpu or --size small shrinks every dimension):
   encdec  Transformer-base: 200 pairs x 64 source + 64 target tokens, shared 37k vocabulary, tied output,
@@ -49,6 +50,7 @@ from harness import (  # noqa: E402
 )
 
 from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.experiment import load_experiment  # noqa: E402
 from attnlab.lit.loss import linear_cross_entropy, token_loss  # noqa: E402
 from attnlab.models.accounting import training_flops  # noqa: E402
 from attnlab.models.transformer import build_model  # noqa: E402
@@ -214,15 +216,28 @@ def build(task: str, name: str, cfg: ModelConfig, mode: str, loss_chunk: int, co
     if mode == "compile" and name == "attnlab-blocks":  # attnlab's trainer.compile: each block, dynamic shapes
         for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
             if stack is not None:
-                for i, layer in enumerate(stack.layers):
-                    stack.layers[i] = torch.compile(layer, dynamic=True, **(compile_kw or {}))
+                for layer in stack.layers:
+                    layer.compile(dynamic=True, **(compile_kw or {}))
         return model, model, loss_fn
     return model, (torch.compile(model, **(compile_kw or {})) if mode == "compile" else model), loss_fn
+
+
+def recipe_shape(recipe: Path, length: int) -> tuple[dict, ModelConfig]:
+    """The encdec shape of a translation recipe: its model, its data.vocab_size, and a batch of data.max_tokens
+    tokens as pairs of `length` source and target tokens (what its token-count batches hold at that length)."""
+    exp = load_experiment(recipe)
+    if exp.task != "translation":
+        raise SystemExit(f"--recipe {recipe}: a translation recipe is needed (model.arch=encoder_decoder)")
+    s = dict(batch=max(1, exp.data.max_tokens // length), src=length, tgt=length, vocab=exp.data.vocab_size)
+    cfg = exp.model.replace(vocab_size=s["vocab"], src_vocab_size=0, max_seq_len=max(exp.model.max_seq_len, length))
+    return s, cfg
 
 
 def measure(env: Env, task: str, name: str, mode: str, args: argparse.Namespace) -> dict:
     s = SHAPES["small" if env.small else "full"][task]
     cfg = encdec_config(s) if task == "encdec" else lm_config(s)
+    if args.recipe is not None and task == "encdec":
+        s, cfg = recipe_shape(args.recipe, args.length)
     reset_memory(env.device)
     torch.manual_seed(0)
     compile_kw = {"backend": args.compile_backend, "mode": args.compile_mode}
@@ -280,6 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profile", action="store_true", help="top kernels (CPU: ops) of a step of each attnlab row")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: trace only)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--recipe", type=Path, help="encdec rows at this translation recipe's model and batch size")
+    p.add_argument("--length", type=int, default=32, help="with --recipe: source and target tokens per pair")
     args = p.parse_args(argv)
     env = make_env(args)
     args.steps = args.steps or 10

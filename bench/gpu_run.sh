@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# One command for a first half hour on a GPU: every check and figure attnlab needs from one, in about 25 minutes
+# on one H100, written under one folder. See "One command on a GPU" in bench/README.md.
+#
+#   bash bench/gpu_run.sh [--out DIR] [--locale DIR] [--wheels DIR] [--python PY]
+#   bash bench/gpu_run.sh --dry-run        # every step at toy size on a CPU, in about 2 minutes
+#
+# Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
+# the next one runs):
+#   1 gpu_tests       tests/test_gpu.py (kernel names from the profiler, bf16 against fp32, CUDA-graph decoding)
+#   2 train_eager     bench/train_throughput.py, eager, with the peers           -> train_eager.json
+#   3 train_compile   bench/train_throughput.py, torch.compile, with the peers   -> train_compile.json
+#   4 decode          bench/decode_throughput.py                                  -> decode.json
+#   5 demo_fit        attnlab fit of experiments/demo_en_de.yaml, 2 minutes in bf16, and the benchmark at that
+#                     recipe's shape                                            -> demo_fit.json (tokens/s of both)
+#   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes on one GPU, the last
+#                     checkpoints averaged, beam-4 test BLEU (attnlab demo)      -> base_bleu.json
+#   7 ablation        ablations/demo_norm_ffn.yaml with --workers-per-gpu 4      -> ablation.txt (its table)
+# Every step's output is in <out>/<step>.log; <out>/summary.md has one line per step (status, seconds).
+#
+# A GPU machine without internet brings what it lacks (prepared where pip and the catalogs are):
+#   wheels:   pip download --only-binary=:all: -d wheels x-transformers==2.31.10 einx==0.4.3 loguru==0.7.3 \
+#                 torch-einops-utils==0.2.0 frozendict==2.5.1 einops==0.8.2      (then --wheels wheels)
+#   catalogs: mkdir -p locale && cp -r /usr/share/locale/de locale/                 (then --locale locale)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --out) OUT="$2"; shift ;;
+    --locale) LOCALE="$2"; shift ;;
+    --wheels) WHEELS="$2"; shift ;;
+    --python) PY="$2"; shift ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+OUT="${OUT:-gpu_runs/$(date -u +%Y%m%d-%H%M%S)$([ "$DRY" = 1 ] && echo -dry)}"
+mkdir -p "$OUT" || { echo "gpu_run.sh: cannot create $OUT" >&2; exit 2; }
+OUT="$(cd "$OUT" && pwd)"
+
+# ------------------------------------------------------------------------------------------------ preflight
+fail() { echo "gpu_run.sh: $*" >&2; exit 2; }
+if [ -n "$WHEELS" ]; then
+  [ -d "$WHEELS" ] || fail "--wheels $WHEELS: no such folder"
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$WHEELS"/*.whl || fail "installing the wheels in $WHEELS failed"
+fi
+"$PY" -c "import attnlab" 2>/dev/null || fail "$PY cannot import attnlab: run 'make venv' (or pip install -e '.[dev]') first"
+if [ "$DRY" = 0 ]; then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || fail "no CUDA device visible to torch ($("$PY" -c 'import torch; print(torch.__version__)')); --dry-run runs on a CPU"
+fi
+LOCALE="${LOCALE:-/usr/share/locale}"
+ls "$LOCALE"/de/LC_MESSAGES/*.mo >/dev/null 2>&1 \
+  || fail "no gettext catalogs in $LOCALE/de/LC_MESSAGES: the translation steps read them. Copy a machine's catalogs (mkdir -p locale && cp -r /usr/share/locale/de locale/) and pass --locale locale"
+LOCALE="$(cd "$LOCALE" && pwd)"
+"$PY" -c "import x_transformers" 2>/dev/null || echo "note: x-transformers is not installed: its benchmark rows say skipped (see --help for bringing it)"
+
+# ------------------------------------------------------------------------------------------------ steps
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.md"
+{
+  echo "# gpu_run $(date -u +%Y-%m-%dT%H:%M:%SZ)$([ "$DRY" = 1 ] && echo ' (dry run: toy sizes on a CPU)')"
+  echo
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- $("$PY" -c 'import torch; d = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"; print(f"device: {d}; torch {torch.__version__}")')"
+  echo
+  echo "| step | status | seconds |"
+  echo "|---|---|---|"
+} > "$SUMMARY"
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...: run it under a time limit, log its output, record the outcome
+  local name="$1" limit="$2"; shift 2
+  local t0=$SECONDS status
+  echo "== $name (limit ${limit}s): $*"
+  timeout --signal=TERM --kill-after=30 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  case $? in 0) status=ok ;; 124|137) status="timed out" ;; *) status="failed (see $name.log)" ;; esac
+  echo "| $name | $status | $((SECONDS - t0)) |" >> "$SUMMARY"
+  echo "   $status in $((SECONDS - t0)) s"
+}
+
+ATTNLAB=("$PY" -m attnlab)
+DATA=(--data.locale_dir "$LOCALE" --trainer.runs_dir "$OUT/runs" --trainer.progress_bar false)
+if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seconds on a CPU
+  TINY=(--model.d_model 32 --model.n_heads 2 --model.n_enc_layers 1 --model.n_dec_layers 1 --model.d_ff 64
+        --data.vocab_size 300 --data.max_tokens 512 --decode.max_len_a 0 --decode.max_len_b 4
+        --decode.val_sentences 8 --trainer.val_every 1000 --trainer.ckpt_every 2 --trainer.log_every 2)
+  BENCH=(--cpu --steps 1 --warmup 1)
+  step gpu_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  step train_eager 120 "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --only encdec/attnlab,lm/attnlab \
+    --json "$OUT/train_eager.json"
+  step train_compile 120 "$PY" bench/train_throughput.py "${BENCH[@]}" --modes compile --compile-backend eager \
+    --only encdec/attnlab,encdec/attnlab-blocks --tasks encdec --json "$OUT/train_compile.json"
+  step decode 120 "$PY" bench/decode_throughput.py --cpu --repeats 1 --warmup 1 --tasks mt \
+    --only mt/attnlab-greedy,mt/attnlab-beam4 --json "$OUT/decode.json"
+  FIT_TIME=0.15; BASE_TIME=0.15; DEMO_EXTRA=("${TINY[@]}"); BASE_EXTRA=("${TINY[@]}" --decode.beam 2)
+  ABLATION_EXTRA='{"budget": {"steps": 4}, "final_eval": false}'
+  WORKERS=(--workers 2)
+else
+  step gpu_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  step train_eager 240 "$PY" bench/train_throughput.py --modes eager --json "$OUT/train_eager.json"
+  step train_compile 480 "$PY" bench/train_throughput.py --modes compile --json "$OUT/train_compile.json"
+  step decode 180 "$PY" bench/decode_throughput.py --json "$OUT/decode.json"
+  BENCH=()
+  FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
+  # the base model at full size, sized for 5 minutes on one GPU: gettext's ~40k pairs (a 37k vocabulary would be
+  # most of the corpus), the warmup and the checkpoint spacing a short run averages over
+  BASE_EXTRA=(--data.vocab_size 8000 --optim.warmup_steps 1000 --trainer.ckpt_every 250 --trainer.val_every 100000)
+  ABLATION_EXTRA='{}'
+  WORKERS=(--workers-per-gpu 4)
+fi
+
+# 5: a real fit of the demo recipe in bf16, and the benchmark's step at the same shape, side by side
+DEMO_RUN="$OUT/runs/gpu_demo_fit"
+step demo_fit $((180 + ${FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit -c experiments/demo_en_de.yaml "${DATA[@]}" \
+  --trainer.run_name gpu_demo_fit --trainer.max_time_min "$FIT_TIME" \
+  $([ "$DRY" = 0 ] && echo --trainer.precision bf16-mixed) "${DEMO_EXTRA[@]}"
+step demo_bench 240 "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec --only encdec/attnlab \
+  --recipe "$DEMO_RUN/config.yaml" --json "$OUT/demo_bench.json"
+"$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" | tee -a "$OUT/demo_bench.log"
+
+# 6: the base model for BLEU: train, average the last checkpoints, beam-4 test BLEU (attnlab demo does all three)
+step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experiments/wmt14_en_de_base.yaml "${DATA[@]}" \
+  --data.corpus gettext:de --trainer.devices 1 --trainer.strategy auto --trainer.run_name gpu_base \
+  --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}"
+[ -f "$OUT/runs/gpu_base/demo_results.json" ] && cp "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
+
+# 7: the CPU ablation packed onto the GPU, its data and runs under <out>
+ABLATION="$OUT/demo_norm_ffn.yaml"
+"$PY" - "$ABLATION" "$LOCALE" "$OUT" "$ABLATION_EXTRA" "$DRY" <<'EOF'
+import json, sys
+from pathlib import Path
+import yaml
+out, locale, root, extra, dry = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5] == "1"
+spec = yaml.safe_load(Path("ablations/demo_norm_ffn.yaml").read_text(encoding="utf-8"))
+spec["base"] = str(Path("experiments/demo_en_de.yaml").resolve())
+over = spec.setdefault("overrides", {})
+over.update({"data.locale_dir": locale, "trainer.runs_dir": f"{root}/runs", "trainer.progress_bar": False})
+if dry:
+    over.update({"model.d_model": 32, "model.n_heads": 2, "model.n_enc_layers": 1, "model.n_dec_layers": 1,
+                 "model.d_ff": 64, "data.vocab_size": 300, "data.max_tokens": 512, "trainer.val_every": 2,
+                 "trainer.ckpt_every": 2, "decode.val_sentences": 8, "decode.max_len_a": 0, "decode.max_len_b": 4})
+spec.update(extra)
+out.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+EOF
+t_ablation=$SECONDS
+step ablation $([ "$DRY" = 1 ] && echo 240 || echo 600) "${ATTNLAB[@]}" ablate run "$ABLATION" --dir "$OUT/ablation" \
+  "${WORKERS[@]}"
+t_ablation=$((SECONDS - t_ablation))
+"${ATTNLAB[@]}" ablate table "$ABLATION" --dir "$OUT/ablation" > "$OUT/ablation.txt" 2>&1
+"$PY" - "$OUT/ablation/table.csv" "$t_ablation" "${WORKERS[*]}" >> "$SUMMARY" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1], encoding="utf-8")))
+n, seconds = sum(int(r["n"]) for r in rows), max(int(sys.argv[2]), 1)
+print(f"\n- ablation ({sys.argv[3]}): {n} trials finished in {seconds} s: {3600 * n / seconds:.0f} trials per hour")
+EOF
+
+echo
+cat "$SUMMARY"
+echo "everything is in $OUT"
+grep -q "failed\|timed out" "$SUMMARY" && exit 1
+exit 0

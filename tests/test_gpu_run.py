@@ -1,0 +1,47 @@
+"""bench/gpu_run.sh, the one command for a GPU, run as --dry-run: every step at toy size on this CPU, the files
+each step promises under one folder; and its early, named failures (no CUDA, no catalogs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "demo_fit", "demo_bench", "base_bleu", "ablation"]
+
+
+def gpu_run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "--python", sys.executable, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_path):
+    out = tmp_path / "gpu"
+    r = gpu_run("--dry-run", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = (out / "summary.md").read_text(encoding="utf-8")
+    for step in STEPS:
+        assert f"| {step} | ok |" in summary, summary
+        assert (out / f"{step}.log").stat().st_size > 0
+    for name in ("train_eager", "train_compile", "decode", "demo_bench"):
+        rows = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))["rows"]
+        assert rows and all(row["status"] == "ok" for row in rows), rows
+    fit = json.loads((out / "demo_fit.json").read_text(encoding="utf-8"))
+    assert fit["fit_tokens_per_s"] > 0 and fit["bench_tokens_per_s"] > 0 and fit["fit_over_bench"] > 0
+    bleu = json.loads((out / "base_bleu.json").read_text(encoding="utf-8"))
+    assert bleu["sentences"] > 100 and "nrefs:1" in bleu["bleu_signature"]
+    assert "| norm=rmsnorm ffn=swiglu |" in (out / "ablation.txt").read_text(encoding="utf-8")
+    assert "4 trials finished in" in summary and "trials per hour" in summary
+
+
+def test_without_cuda_or_catalogs_it_stops_at_once_saying_what_is_missing(tmp_path):
+    r = gpu_run("--out", str(tmp_path / "a"), timeout=120)
+    assert r.returncode == 2 and "no CUDA device visible to torch" in r.stderr and "--dry-run" in r.stderr
+    r = gpu_run("--dry-run", "--out", str(tmp_path / "b"), "--locale", str(tmp_path / "none"), timeout=120)
+    assert r.returncode == 2 and f"no gettext catalogs in {tmp_path / 'none'}/de/LC_MESSAGES" in r.stderr
+    assert "--locale" in r.stderr and not (tmp_path / "b" / "summary.md").exists()
