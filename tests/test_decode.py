@@ -246,6 +246,9 @@ class Markov(nn.Module):
     def new_cache(self):
         return KVCache(1)
 
+    def cache_cross_attention(self, memory, cache, repeat=1):  # no cross-attention: nothing to fill
+        pass
+
     def log_prob(self, hyp: list[int]) -> float:
         seq = [BOS] + hyp + [EOS]
         return sum(float(self.lp[p].log_softmax(-1)[n]) for p, n in itertools.pairwise(seq))

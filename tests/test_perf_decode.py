@@ -12,6 +12,7 @@ from attnlab.decode import beam_search, generate, greedy_search
 from attnlab.models.attention import KVCache, Mask, StaticKVCache
 from attnlab.models.transformer import build_model
 from conftest import jitter
+from dispatch_count import DispatchCount
 
 PAD, BOS, EOS = 0, 1, 2
 V = 50
@@ -197,3 +198,33 @@ def test_bf16_weights_decode_with_absolute_positions():
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
     assert len(greedy_search(model, src, max_len_a=0, max_len_b=4, min_len=4)[0]) == 4
+
+
+def decode_syncs(search, model, src, steps: int, **kw) -> int:
+    with DispatchCount() as c:
+        search(model, src, max_len_a=0, max_len_b=steps, min_len=steps, **kw)  # exactly `steps` tokens: EOS held back
+    return c.syncs
+
+
+@pytest.mark.parametrize("search,kw", [(greedy_search, {}), (beam_search, {"beam_size": 4}),
+                                       (beam_search, {"beam_size": 4, "early_stop": False, "nbest": 2})])
+def test_a_decode_step_makes_at_most_one_host_sync(search, kw):
+    """Each step of greedy and beam search reads one thing back: whether every sentence is done. Finished
+    hypotheses stay on the device until the end (one read of them then). Counted as the syncs that 8 more steps
+    add, so the one-off reads (the length budget, the results) drop out."""
+    model = seq2seq(n_kv_heads=2)
+    src = torch.randint(3, V, (3, 7))
+    per_step = (decode_syncs(search, model, src, 12, **kw) - decode_syncs(search, model, src, 4, **kw)) / 8
+    assert per_step <= 1, per_step
+
+
+def test_beam_search_projects_each_sentences_cross_attention_keys_once():
+    """The encoder output's cross-attention K/V are computed once per sentence and layer (B rows), then shared
+    by its K beams, not projected from a K-times repeated memory at the first step."""
+    model = seq2seq()
+    src = torch.randint(3, V, (3, 7))
+    rows: list[int] = []
+    for block in model.decoder.layers:
+        block.cross_attn.kv_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    beam_search(model, src, beam_size=4, max_len_a=0, max_len_b=6, min_len=6)
+    assert rows == [3] * len(model.decoder.layers)

@@ -143,21 +143,23 @@ def beam_search(
         return []
     dev = src.device
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
+    L = int(limit.max())  # the longest output; one read of the lengths, before the loop
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
-    memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, d): rows b*K .. b*K+K-1 are sentence b
-    src_pad = src_pad.repeat_interleave(K, dim=0)  # (B*K, S)
-    cache = _new_cache(model, static_cache, int(limit.max()) + 1)
+    cache = _new_cache(model, static_cache, L + 1)
+    model.cache_cross_attention(memory, cache, repeat=K)  # K/V of each sentence computed once, shared by its beams
+    src_pad = src_pad.repeat_interleave(K, dim=0)  # (B*K, S): rows b*K .. b*K+K-1 are sentence b
     seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (B*K, t+1)
     scores = torch.full((B, K), NEG_INF, device=dev)  # (B, K) log-prob of each live beam
     scores[:, 0] = 0.0  # first step expands only beam 0, so the K beams start distinct
     base = torch.arange(B, device=dev)[:, None] * K  # (B, 1) first row of each sentence
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    kth = torch.full((B,), NEG_INF, dtype=torch.float64, device=dev)  # nbest-th finished score
-    n_fin = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
+    # the K best finished hypotheses of each sentence, best first, kept on the device (no read per step)
+    fin_scores = torch.full((B, K), NEG_INF, dtype=torch.float64, device=dev)  # (B, K) -inf = none yet
+    fin_seqs = torch.full((B, K, max(L, 1)), pad_id, dtype=torch.long, device=dev)  # (B, K, L) tokens, no BOS/EOS
+    fin_len = torch.zeros(B, K, dtype=torch.long, device=dev)  # (B, K)
     done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
     bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (B,) lp of the longest possible hypothesis
     rank = torch.arange(2 * K, device=dev)  # (2K,)
-    for t in range(int(limit.max()) + 1):
+    for t in range(L + 1):
         logits = model.decode(seqs[:, -1:], memory, src_pad, cache)[:, -1]  # (B*K, V)
         lprobs = logits.float().log_softmax(-1).view(B, K, V)  # (B, K, V)
         lprobs[..., pad_id] = NEG_INF
@@ -172,18 +174,19 @@ def beam_search(
         top_beam, top_tok = top_idx // V, top_idx % V  # (B, 2K)
         is_eos = top_tok.eq(eos_id)  # (B, 2K)
 
-        # finish EOS candidates ranked in the top K (all hypotheses have t tokens + EOS)
+        # finish EOS candidates ranked in the top K (all hypotheses have t tokens + EOS), merged into the K best
+        # finished: a stable sort, so on a tie the earlier finished hypothesis, then the better-ranked, stays first
         fin = is_eos[:, :K] & top_scores[:, :K].isfinite() & ~done[:, None]  # (B, K)
-        if fin.any():
-            lp = length_penalty(t + 1, len_penalty, penalty)
-            for b, j in fin.nonzero().tolist():
-                hyp = seqs[base[b, 0] + top_beam[b, j], 1:].tolist()  # drop BOS; EOS is not stored
-                finished[b].append((top_scores[b, j].item() / lp, hyp))
-            for b in fin.any(1).nonzero()[:, 0].tolist():
-                finished[b] = sorted(finished[b], key=lambda h: h[0], reverse=True)[:K]
-                n_fin[b] = len(finished[b])
-                if len(finished[b]) >= nbest:
-                    kth[b] = finished[b][nbest - 1][0]
+        lp = length_penalty(t + 1, len_penalty, penalty)
+        new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (B, K), float64 like Python's
+        new_seqs = torch.full_like(fin_seqs, pad_id)  # (B, K, L)
+        if t:
+            rows = (base + top_beam[:, :K]).view(-1)  # (B*K,) the row each candidate extends
+            new_seqs[:, :, :t] = seqs.index_select(0, rows)[:, 1:].view(B, K, t)  # drop BOS; EOS is not stored
+        order = torch.cat((fin_scores, new_scores), 1).sort(dim=1, descending=True, stable=True).indices[:, :K]
+        fin_scores = torch.cat((fin_scores, new_scores), 1).gather(1, order)  # (B, K)
+        fin_len = torch.cat((fin_len, torch.full_like(fin_len, t)), 1).gather(1, order)  # (B, K)
+        fin_seqs = torch.cat((fin_seqs, new_seqs), 1).gather(1, order[..., None].expand(-1, -1, fin_seqs.shape[2]))
 
         # the K best non-EOS candidates stay live (there are >= K: each beam gives at most one EOS)
         keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (B, K), best first
@@ -192,16 +195,18 @@ def beam_search(
         tok = top_tok.gather(1, keep)  # (B, K)
 
         if early_stop:
-            done |= n_fin >= K
-        else:
-            done |= kth >= scores[:, 0].double() / bound_lp  # -inf live beams (bound -inf) end it too
+            done |= fin_scores[:, K - 1].isfinite()  # K finished
+        else:  # the nbest-th finished score (-inf while fewer) beats every live beam's best reachable one
+            done |= fin_scores[:, nbest - 1] >= scores[:, 0].double() / bound_lp  # -inf live beams end it too
         done |= forced
-        if done.all():
+        if done.all():  # the one host sync of a step: whether to go on
             break
         index = (base + beam).view(-1)  # (B*K,) parent row of each new beam
         seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (B*K, t+2)
         cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention rows
-    return [[(hyp, score) for score, hyp in f[:nbest]] or [([], NEG_INF)] for f in finished]
+    found, lengths, tokens = fin_scores.tolist(), fin_len.tolist(), fin_seqs.tolist()  # one read at the end
+    return [[(tokens[b][j][:lengths[b][j]], found[b][j]) for j in range(nbest) if found[b][j] > NEG_INF]
+            or [([], NEG_INF)] for b in range(B)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,11 +212,7 @@ class Attention(nn.Module):
             cached = cache.cross_kv[layer] if cache is not None else None
             if cached is None:
                 assert memory is not None, "cross-attention needs the encoder output"
-                S = memory.shape[1]
-                k, v = self.kv_proj(memory).split([self.n_kv * self.hd, self.n_kv * self.hd_v], dim=-1)
-                k, v = k.view(B, S, self.n_kv, self.hd), v.view(B, S, self.n_kv, self.hd_v)  # (B, S, Hkv, hd|hd_v)
-                k = self.k_norm(k) if self.k_norm is not None else k
-                k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, hd)
+                k, v = self.memory_kv(memory)  # (B, Hkv, S, hd|hd_v)
                 if cache is not None:
                     cache.cross_kv[layer] = (k, v)
             else:
@@ -238,6 +234,14 @@ class Attention(nn.Module):
         y = self._attend(q, k, v, mask)  # (B, H, T, hd_v)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd_v)  # (B, T, H*hd_v)
         return self.out_proj(y)  # (B, T, d)
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values of the encoder output memory (B, S, d): (B, Hkv, S, hd|hd_v) each."""
+        B, S, _ = memory.shape
+        k, v = self.kv_proj(memory).split([self.n_kv * self.hd, self.n_kv * self.hd_v], dim=-1)
+        k, v = k.view(B, S, self.n_kv, self.hd), v.view(B, S, self.n_kv, self.hd_v)  # (B, S, Hkv, hd|hd_v)
+        k = self.k_norm(k) if self.k_norm is not None else k
+        return k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, hd|hd_v)
 
     # ------------------------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:

@@ -185,6 +185,13 @@ class EncoderDecoder(_Model):
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.n_dec_layers)
 
+    def cache_cross_attention(self, memory: torch.Tensor, cache: KVCache, repeat: int = 1) -> None:
+        """Fill the cache's cross-attention keys/values from memory (B, S, d), each row repeated `repeat` times
+        (B*repeat rows: a sentence's beams): projected once per sentence, not once per beam."""
+        for i, block in enumerate(self.decoder.layers):
+            k, v = block.cross_attn.memory_kv(memory)  # (B, Hkv, S, hd|hd_v)
+            cache.cross_kv[i] = (k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0))  # (B*repeat, ...)
+
 
 class _OneStack(_Model):
     """One stack of blocks over a token embedding, and the vocabulary head: `decoder` (causal) or `encoder`."""
