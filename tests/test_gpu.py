@@ -176,3 +176,49 @@ def test_cuda_graph_decoding_gives_the_tokens_of_the_dynamic_cache(compile_step)
     assert got == want
     again = generate(model, prompt, 24, greedy=True, cache="graph", compile_step=compile_step)
     assert again == want  # a second capture over a fresh cache
+
+
+def sdpa_ops(fn) -> set[str]:
+    """The SDPA kernels (aten ops) a call runs, from the profiler: flash, efficient (memory-efficient), math."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_efficient_attention": "efficient",
+             "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_attention_math": "math",
+             "_flash_attention_backward": "flash", "_efficient_attention_backward": "efficient"}
+    return {kind for e in prof.key_averages() for op, kind in kinds.items() if e.key.endswith(op)}
+
+
+@pytest.mark.parametrize("n_kv_heads", [8, 2])
+def test_training_and_cached_decoding_run_fast_sdpa_kernels_unforced(n_kv_heads):
+    """What SDPA picks by itself (no sdpa_kernel forcing) on the real paths, bf16 autocast: a training step of
+    the encoder-decoder with an unpadded batch (no mask: flash or cuDNN), with a padded one (masks: never the
+    math fallback, GQA included), and beam search over the KV cache (never math)."""
+    from attnlab.decode import beam_search
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=512, n_heads=8, n_kv_heads=n_kv_heads, n_enc_layers=2,
+                      n_dec_layers=2, dropout=0.1)
+    model = build_model(cfg).cuda()
+    src, tgt = torch.randint(4, 512, (8, 40), device="cuda"), torch.randint(4, 512, (8, 35), device="cuda")
+
+    def step(src, padded):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(src, tgt, src_padded=padded)  # (B, T, V)
+        logits.float().logsumexp(-1).mean().backward()
+
+    kinds = sdpa_ops(lambda: step(src, False))
+    assert kinds and kinds <= {"flash", "cudnn"}, kinds  # no mask: a fused flash-class kernel
+    padded = src.clone()
+    padded[:, 30:] = 0
+    kinds = sdpa_ops(lambda: step(padded, True))
+    assert kinds and "math" not in kinds, kinds
+    model.eval()
+
+    def decode():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            beam_search(model, padded, beam_size=4, max_len_a=0, max_len_b=12, min_len=12)
+
+    kinds = sdpa_ops(decode)
+    assert kinds and "math" not in kinds, kinds

@@ -252,7 +252,9 @@ class Attention(nn.Module):
             return self._flash(q, k, v, mask, p)
         gqa = {}
         if self.n_kv != self.n_heads:
-            if SDPA_GQA:
+            # enable_gqa runs in SDPA's flash and math kernels only: with a mask on CUDA (padding) the K/V heads are
+            # repeated instead, so the memory-efficient kernel takes it rather than the math fallback
+            if SDPA_GQA and not (mask.bias is not None and q.is_cuda):
                 gqa = {"enable_gqa": True}
             else:
                 rep = self.n_heads // self.n_kv
