@@ -151,7 +151,8 @@ DEMO_MAY_DIFFER = {
     "data.corpus", "data.min_pairs", "data.vocab_size", "data.tokenizer_max_lines", "data.max_tokens",
     "data.num_workers",
     "optim.warmup_steps", "trainer.devices", "trainer.strategy", "trainer.max_time_min", "trainer.val_every",
-    "trainer.ckpt_every", "trainer.log_every", "decode.len_penalty", "decode.val_sentences",
+    "trainer.ckpt_every", "trainer.val_every_min", "trainer.ckpt_every_min", "trainer.log_every",
+    "decode.len_penalty", "decode.val_sentences",
     "decode.batch_sentences",
 }
 

@@ -14,9 +14,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
+from attnlab import intervals
 from attnlab.checkpoints import load_checkpoint
 from attnlab.evaluate import load_module
 from attnlab.experiment import load_experiment
+from attnlab.intervals import stretched
 from attnlab.launch.requeue import unused_allocation
 from attnlab.train import fit, make_module, make_trainer, prepare
 from test_train import read_metrics, write_recipe
@@ -194,3 +196,33 @@ def test_fit_in_a_batch_script_without_srun_warns_and_does_not_wait_for_absent_t
     assert "srun attnlab fit" in warning.getMessage() and warning.levelno == logging.WARNING
     monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task of an srun step
     assert unused_allocation() is None
+
+
+def test_stretched_intervals_are_the_smallest_multiple_lasting_the_minimum():
+    assert stretched(100, 0.1, 0.145) == 100  # the CPU the demo is sized for: 14.5 s >= 6 s, unchanged
+    assert stretched(100, 0.1, 0.005) == 1200  # 100 steps of 5 ms last 0.5 s: 12 x 100 last 6 s
+    assert stretched(500, 0.0, 0.005) == 500 and stretched(7, 1.0, 60.0) == 7
+
+
+def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_path, monkeypatch):
+    """A run timed at 0.1 s a step (a fake clock over its steps 5..25): val_every 5 with val_every_min 0.05 (3 s)
+    becomes every 30 steps, ckpt_every 5 with ckpt_every_min 0.02 (1.2 s) every 15; before the timing the step
+    intervals hold. A resume from a checkpoint keeps the stretched intervals."""
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(intervals, "perf_counter", lambda: next(clock))
+    recipe = write_recipe(tmp_path, model={"dropout": 0.0},
+                          trainer={"max_steps": 60, "val_every": 5, "ckpt_every": 5, "keep_checkpoints": 100,
+                                   "val_every_min": 0.05, "ckpt_every_min": 0.02})
+    run_dir = fit(load_experiment(recipe))
+    ckpts = sorted(int(p.stem.split("=")[1]) for p in (run_dir / "checkpoints").glob("step=*.ckpt"))
+    assert ckpts == [5, 10, 15, 20, 25, 30, 45, 60]
+    vals = sorted(read_metrics(run_dir / "logs" / "metrics.csv")["val/loss"])  # CSV steps count from 0
+    assert [s + 1 for s in vals] == [5, 10, 15, 20, 25, 30, 60]
+    assert load_checkpoint(run_dir / "checkpoints" / "step=30.ckpt")["callbacks"]["StretchIntervals"] == {
+        "steps": {"val": 30, "ckpt": 15}}
+    for step in (45, 60):
+        (run_dir / "checkpoints" / f"step={step}.ckpt").unlink()
+    monkeypatch.setattr(intervals, "perf_counter", lambda: pytest.fail("a resumed run timed its steps again"))
+    fit(load_experiment(recipe), ckpt_path=str(run_dir / "checkpoints" / "step=30.ckpt"))
+    ckpts = sorted(int(p.stem.split("=")[1]) for p in (run_dir / "checkpoints").glob("step=*.ckpt"))
+    assert ckpts == [5, 10, 15, 20, 25, 30, 45, 60]  # not 35, 40: the stretched interval came back

@@ -44,6 +44,8 @@ class TrainConfig(StrictConfig):
     val_every: int = 1000  # validate every N optimizer steps
     limit_val_batches: int = 0  # 0 = the whole validation split
     ckpt_every: int = 1000  # checkpoint every N optimizer steps (and at the end)
+    val_every_min: float = 0.0  # > 0: validations at least this many minutes apart (val_every stretched to fit)
+    ckpt_every_min: float = 0.0  # > 0: checkpoints at least this many minutes apart (ckpt_every stretched to fit)
     keep_checkpoints: int = 5  # step checkpoints kept besides last.ckpt (at least decode.average_last)
     log_every: int = 50  # log metrics (and a progress line when not on a terminal) every N steps
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
@@ -74,6 +76,9 @@ class TrainConfig(StrictConfig):
             raise ConfigError(f"trainer.devices={self.devices} must be >= 1, or -1 for all")
         if self.max_time_min < 0 or self.limit_val_batches < 0:
             raise ConfigError("trainer.max_time_min and trainer.limit_val_batches must be >= 0")
+        if self.val_every_min < 0 or self.ckpt_every_min < 0:
+            raise ConfigError(f"trainer.val_every_min={self.val_every_min} and trainer.ckpt_every_min="
+                              f"{self.ckpt_every_min} must be >= 0 (0 = the step intervals alone)")
         if self.loss_chunk < 0:
             raise ConfigError(f"trainer.loss_chunk={self.loss_chunk} must be >= 0 (0 = the plain loss)")
         if self.loss_chunk and self.strategy == "fsdp":  # it reads the output weight outside the sharded forward
@@ -106,6 +111,8 @@ HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
     ("model", "embed_norm"): (False, _ABSENT),
     ("model", "head_dim"): (0, _ABSENT),
     ("model", "v_head_dim"): (0, _ABSENT),
+    ("trainer", "val_every_min"): (0.0, _ABSENT),
+    ("trainer", "ckpt_every_min"): (0.0, _ABSENT),
 }
 
 

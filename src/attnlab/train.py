@@ -30,6 +30,7 @@ from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
 from .experiment import Experiment
+from .intervals import StretchIntervals
 from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
@@ -166,6 +167,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         save_on_train_epoch_end=True,
     )
     callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
+    if t.val_every_min or t.ckpt_every_min:  # intervals that last at least so long on a fast device
+        callbacks.append(StretchIntervals(t.val_every, t.ckpt_every, t.val_every_min, t.ckpt_every_min))
     if t.progress_bar:  # a bar on a terminal, plain lines in a log file
         callbacks.append(progress_callback(t.log_every, run_dir.name))
     kwargs: dict[str, Any] = dict(
