@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_run.sh [--out DIR] [--locale DIR] [--wheels DIR] [--python PY]
 #   bash bench/gpu_run.sh --dry-run        # every step at toy size on a CPU, in about 2 minutes
+#   bash bench/gpu_run.sh --only train_eager,decode --out DIR   # some steps (into the same folder as others)
 #
 # Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
 # the next one runs):
@@ -25,15 +26,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"
+DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"; ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
+    --only) ONLY=",$2,"; shift ;;
     --out) OUT="$2"; shift ;;
     --locale) LOCALE="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
     --python) PY="$2"; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -65,7 +67,7 @@ LOCALE="$(cd "$LOCALE" && pwd)"
 # ------------------------------------------------------------------------------------------------ steps
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.md"
-{
+[ -f "$SUMMARY" ] || {
   echo "# gpu_run $(date -u +%Y-%m-%dT%H:%M:%SZ)$([ "$DRY" = 1 ] && echo ' (dry run: toy sizes on a CPU)')"
   echo
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -75,9 +77,11 @@ SUMMARY="$OUT/summary.md"
   echo "|---|---|---|"
 } > "$SUMMARY"
 
+wanted() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]; }
 step() {  # step NAME LIMIT_SECONDS COMMAND...: run it under a time limit, log its output, record the outcome
   local name="$1" limit="$2"; shift 2
   local t0=$SECONDS status
+  wanted "$name" || return 0
   echo "== $name (limit ${limit}s): $*"
   timeout --signal=TERM --kill-after=30 "$limit" "$@" > "$OUT/$name.log" 2>&1
   case $? in 0) status=ok ;; 124|137) status="timed out" ;; *) status="failed (see $name.log)" ;; esac
@@ -103,9 +107,9 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   ABLATION_EXTRA='{"budget": {"steps": 4}, "final_eval": false}'
   WORKERS=(--workers 2)
 else
-  step gpu_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  step gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
   step train_eager 240 "$PY" bench/train_throughput.py --modes eager --json "$OUT/train_eager.json"
-  step train_compile 480 "$PY" bench/train_throughput.py --modes compile --json "$OUT/train_compile.json"
+  step train_compile 420 "$PY" bench/train_throughput.py --modes compile --json "$OUT/train_compile.json"
   step decode 180 "$PY" bench/decode_throughput.py --json "$OUT/decode.json"
   BENCH=()
   FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
@@ -121,9 +125,10 @@ DEMO_RUN="$OUT/runs/gpu_demo_fit"
 step demo_fit $((180 + ${FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit -c experiments/demo_en_de.yaml "${DATA[@]}" \
   --trainer.run_name gpu_demo_fit --trainer.max_time_min "$FIT_TIME" \
   $([ "$DRY" = 0 ] && echo --trainer.precision bf16-mixed) "${DEMO_EXTRA[@]}"
-step demo_bench 240 "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec --only encdec/attnlab \
+step demo_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec --only encdec/attnlab \
   --recipe "$DEMO_RUN/config.yaml" --json "$OUT/demo_bench.json"
-"$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" | tee -a "$OUT/demo_bench.log"
+wanted demo_bench && "$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" \
+  | tee -a "$OUT/demo_bench.log"
 
 # 6: the base model for BLEU: train, average the last checkpoints, beam-4 test BLEU (attnlab demo does all three)
 step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experiments/wmt14_en_de_base.yaml "${DATA[@]}" \
@@ -153,8 +158,8 @@ t_ablation=$SECONDS
 step ablation $([ "$DRY" = 1 ] && echo 240 || echo 600) "${ATTNLAB[@]}" ablate run "$ABLATION" --dir "$OUT/ablation" \
   "${WORKERS[@]}"
 t_ablation=$((SECONDS - t_ablation))
-"${ATTNLAB[@]}" ablate table "$ABLATION" --dir "$OUT/ablation" > "$OUT/ablation.txt" 2>&1
-"$PY" - "$OUT/ablation/table.csv" "$t_ablation" "${WORKERS[*]}" >> "$SUMMARY" <<'EOF'
+wanted ablation && "${ATTNLAB[@]}" ablate table "$ABLATION" --dir "$OUT/ablation" > "$OUT/ablation.txt" 2>&1
+wanted ablation && "$PY" - "$OUT/ablation/table.csv" "$t_ablation" "${WORKERS[*]}" >> "$SUMMARY" <<'EOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1], encoding="utf-8")))
 n, seconds = sum(int(r["n"]) for r in rows), max(int(sys.argv[2]), 1)

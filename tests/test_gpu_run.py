@@ -45,3 +45,14 @@ def test_without_cuda_or_catalogs_it_stops_at_once_saying_what_is_missing(tmp_pa
     r = gpu_run("--dry-run", "--out", str(tmp_path / "b"), "--locale", str(tmp_path / "none"), timeout=120)
     assert r.returncode == 2 and f"no gettext catalogs in {tmp_path / 'none'}/de/LC_MESSAGES" in r.stderr
     assert "--locale" in r.stderr and not (tmp_path / "b" / "summary.md").exists()
+
+
+def test_only_runs_the_steps_named_into_one_folder(tmp_path):
+    """--only: a subset of the steps (a lease of a few minutes at a time), the next call adding to the summary."""
+    out = tmp_path / "gpu"
+    for only in ("gpu_tests", "train_eager"):
+        r = gpu_run("--dry-run", "--out", str(out), "--only", only, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line for line in (out / "summary.md").read_text(encoding="utf-8").splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| gpu_tests", "| train_eager"]  # after the header
+    assert not (out / "decode.json").exists() and (out / "train_eager.json").exists()
