@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
+pytest_plugins = ["skip_summary", "pytester"]  # the closing line of skips by reason; pytester for its own test
 
 
 def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:
