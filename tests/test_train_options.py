@@ -187,10 +187,10 @@ def test_fit_in_a_batch_script_without_srun_warns_and_does_not_wait_for_absent_t
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    exp = load_experiment(write_recipe(tmp_path))
+    exp = load_experiment(write_recipe(tmp_path, trainer={"max_steps": 1, "val_every": 100}))
+    assert make_trainer(exp, tmp_path / "run").world_size == 1
     with caplog.at_level(logging.WARNING, logger="attnlab"):
-        trainer = make_trainer(exp, tmp_path / "run")
-    assert trainer.world_size == 1
+        fit(exp)  # trains, on one device
     [warning] = [r for r in caplog.records if "not under srun" in r.getMessage()]
     assert "job 77" in warning.getMessage() and "2 tasks, 4 GPUs on this node" in warning.getMessage()
     assert "srun attnlab fit" in warning.getMessage() and warning.levelno == logging.WARNING

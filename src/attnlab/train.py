@@ -140,13 +140,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
     elif t.strategy == "ddp" and not gpu:
         strategy = DDPStrategy(process_group_backend="gloo")
     devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO()], []
-    unused = unused_allocation()
-    if unused:  # the batch script itself: SLURM's task count describes srun steps this process is not one of
-        log.warning("attnlab fit runs in SLURM job %s's batch script, not under srun: this one process trains on "
-                    "one device and the allocation's %s go unused (with several tasks Lightning would wait for the "
-                    "others forever). Start it as `srun attnlab fit ...` (#SBATCH --ntasks-per-node=<GPUs per "
-                    "node>), or submit with `attnlab fit --slurm`", os.environ["SLURM_JOB_ID"], unused)
-        plugins.append(LightningEnvironment())  # not SLURM's: Lightning would read the tasks as its ranks
+    if unused_allocation():  # the batch script itself: SLURM's task count describes srun steps, not this process
+        plugins.append(LightningEnvironment())  # not SLURM's: Lightning would read the tasks as its ranks (fit warns)
     elif "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         # started by srun in a SLURM job (Lightning's own test): one process per device, as many as SLURM started
         num_nodes = int(os.environ.get("SLURM_NNODES", "1"))
@@ -225,6 +220,12 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
     the signal cut short is run again first: `RedoCutValidation`)."""
     check_extras(exp)
+    unused = unused_allocation()
+    if unused:  # evaluations in a batch script (an ablation worker's) run on one device on purpose; training not
+        log.warning("attnlab fit runs in SLURM job %s's batch script, not under srun: this one process trains on "
+                    "one device and the allocation's %s go unused (with several tasks Lightning would wait for the "
+                    "others forever). Start it as `srun attnlab fit ...` (#SBATCH --ntasks-per-node=<GPUs per "
+                    "node>), or submit with `attnlab fit --slurm`", os.environ["SLURM_JOB_ID"], unused)
     dm, exp = prepare(exp)
     run_dir = exp.run_dir()
     resume = find_resume(run_dir, ckpt_path)

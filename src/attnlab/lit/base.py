@@ -51,7 +51,7 @@ class BaseModule(L.LightningModule):
         if self._compile:
             # compile each block, not the whole model: fast to compile, robust to varying shapes. In place
             # (nn.Module.compile): the blocks keep their class and their parameter names, so a compiled run's
-            # checkpoint loads in every command. Decoding runs them eagerly (decoding_eagerly).
+            # checkpoint loads in every command. Decoding runs them eagerly (eager_blocks).
             for stack in (getattr(self.model, "encoder", None), getattr(self.model, "decoder", None)):
                 for layer in stack.layers if stack is not None else ():
                     if getattr(layer, "_compiled_call_impl", None) is None:
