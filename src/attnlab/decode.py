@@ -183,8 +183,9 @@ def beam_search(
         if t:
             rows = (base + top_beam[:, :K]).view(-1)  # (B*K,) the row each candidate extends
             new_seqs[:, :, :t] = seqs.index_select(0, rows)[:, 1:].view(B, K, t)  # drop BOS; EOS is not stored
-        order = torch.cat((fin_scores, new_scores), 1).sort(dim=1, descending=True, stable=True).indices[:, :K]
-        fin_scores = torch.cat((fin_scores, new_scores), 1).gather(1, order)  # (B, K)
+        both = torch.cat((fin_scores, new_scores), 1)  # (B, 2K): the kept ones first
+        order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
+        fin_scores = both.gather(1, order)  # (B, K)
         fin_len = torch.cat((fin_len, torch.full_like(fin_len, t)), 1).gather(1, order)  # (B, K)
         fin_seqs = torch.cat((fin_seqs, new_seqs), 1).gather(1, order[..., None].expand(-1, -1, fin_seqs.shape[2]))
 
