@@ -7,6 +7,7 @@ loss by a fixed amount, and QK-norm interacts with SwiGLU only (fake_metric)."""
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from attnlab.ablate.budget import step_cost
 from attnlab.ablate.final import evaluate_run, read_lines, write_lines
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
-from attnlab.ablate.stats import holm
+from attnlab.ablate.stats import holm, rank_correlation
 from attnlab.ablate.study import connect
 from attnlab.checkpoints import average_checkpoints
 from attnlab.cli import main
@@ -213,9 +214,10 @@ def test_compare_joins_shared_variants_and_gives_their_rank_correlation(tmp_path
     x = [-means["a"][k] for k in keys]  # a: lower loss is better; b says higher is: oriented, they disagree
     y = [means["b"][k] for k in keys]
     tau, rho = stats.kendalltau(x, y), stats.spearmanr(x, y)
-    printed = re.search(r"Kendall's tau = (\S+) \(p = (\S+)\), Spearman's rho = (\S+) \(p = (\S+)\)", out).groups()
-    want = (tau.statistic, tau.pvalue, rho.statistic, rho.pvalue)
-    assert [float(x) for x in printed] == pytest.approx(want, rel=1e-2, abs=1e-6) and printed[0] == "-1.000"
+    # 3 variants: the statistics, and no p-value (scipy's t-approximation would say p = 0 at rho = -1; exact: 1/3)
+    printed = re.search(r"Kendall's tau = (\S+), Spearman's rho = (\S+), n = 3: no p-value with 3 shared", out).groups()
+    assert [float(x) for x in printed] == pytest.approx((tau.statistic, rho.statistic), abs=1e-3)
+    assert printed[0] == "-1.000"
     assert f"| ffn=swiglu | {means['a']['ffn=swiglu']:.3f} | 1 | {means['b']['ffn=swiglu']:.3f} | 3 |" in out
 
 
@@ -298,3 +300,28 @@ decode: {{average_last: 2}}
                 tokens += int(batch["target"].ne(0).sum())
         assert final[f"{split}_loss"] == pytest.approx(nll / tokens, rel=1e-5), split
         assert final[f"{split}_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_rank_correlation_p_values_are_exact_permutation_ones_and_absent_under_5_variants():
+    """Against independent computations: 6 variants with a tie and a non-monotone order, each p-value equal to the
+    share of the 720 orders of y whose |scipy statistic| reaches the observed one, and tau's equal to scipy's own
+    exact p where there is no tie; 9 variants: scipy's asymptotic p-values; 4: none, saying why."""
+    x, y = [3.1, 2.0, 5.5, 5.5, 1.0, 4.2], [2.0, 3.0, 4.4, 6.1, 0.5, 3.9]
+    r = rank_correlation(x, y)
+    tau, rho = stats.kendalltau(x, y).statistic, stats.spearmanr(x, y).statistic
+    assert (r["tau"], r["rho"]) == pytest.approx((tau, rho))
+    orders = list(itertools.permutations(y))
+    assert r["tau_p"] == pytest.approx(sum(abs(stats.kendalltau(x, o).statistic) >= abs(tau) - 1e-12
+                                           for o in orders) / len(orders))
+    assert r["rho_p"] == pytest.approx(sum(abs(stats.spearmanr(x, o).statistic) >= abs(rho) - 1e-12
+                                           for o in orders) / len(orders))
+    assert 0 < r["tau_p"] < 0.05 and "exact permutation" in r["p_method"]
+    untied = [2, 1, 4, 3, 6, 5]
+    assert rank_correlation(range(6), untied)["tau_p"] == pytest.approx(
+        stats.kendalltau(range(6), untied, method="exact").pvalue)
+    x9, y9 = [5, 1, 4, 2, 8, 3, 9, 7, 6], [4, 2, 5, 1, 9, 3, 7, 8, 6]
+    r9 = rank_correlation(x9, y9)
+    assert (r9["tau_p"], r9["rho_p"]) == pytest.approx((stats.kendalltau(x9, y9).pvalue,
+                                                        stats.spearmanr(x9, y9).pvalue))
+    r4 = rank_correlation([1, 2, 3, 4], [1, 2, 3, 4])
+    assert r4["tau_p"] is None and r4["rho_p"] is None and "fewer than 5" in r4["why"]

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -129,3 +130,40 @@ def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, 
 
 def version() -> str:
     return sacrebleu.__version__
+
+
+# ---------------------------------------------------------------------------------------------- rank correlation
+MIN_RANKED = 5  # fewer shared variants: no p-value (3 or 4 items cannot reach p < 0.05 two-sided with tau's ties)
+EXACT_UP_TO = 8  # every permutation (8! = 40,320) up to this many items; scipy's asymptotic p-values above
+
+
+def rank_correlation(x: Sequence[float], y: Sequence[float]) -> dict:
+    """Kendall's tau-b and Spearman's rho of the paired scores x, y, each with a two-sided p-value. Up to EXACT_UP_TO
+    items the p-values are exact permutation ones (the share of the n! orders of y whose |statistic| reaches the
+    observed one); above, scipy's. Under MIN_RANKED items the p-values are None (`why` says so): scipy's
+    t-approximation gives rho = 1 with p = 0 for 3 items, where the exact p is 1/3."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    n = len(x)
+    tau, rho = stats.kendalltau(x, y).statistic, stats.spearmanr(x, y).statistic
+    out = {"n": n, "tau": float(tau), "rho": float(rho), "tau_p": None, "rho_p": None, "p_method": None, "why": ""}
+    if n < MIN_RANKED:
+        out["why"] = f"no p-value with {n} shared variants (fewer than {MIN_RANKED})"
+        return out
+    if n > EXACT_UP_TO:
+        out.update(tau_p=float(stats.kendalltau(x, y).pvalue), rho_p=float(stats.spearmanr(x, y).pvalue),
+                   p_method="asymptotic p-values (scipy)")
+        return out
+    perms = np.array(list(itertools.permutations(range(n))))  # (n!, n)
+    i, j = np.triu_indices(n, 1)  # the n(n-1)/2 pairs
+    sx, yp = np.sign(x[i] - x[j]), y[perms]  # (P,), (n!, n)
+    sy = np.sign(yp[:, i] - yp[:, j])  # (n!, P); y's ties are the same pairs' count in every order
+    # tau-b (Kendall 1945): tied pairs leave the numerator and shrink the denominator
+    taus = (sy @ sx) / math.sqrt(np.count_nonzero(sx) * np.count_nonzero(sy[0]))  # (n!,)
+    rx, ryp = stats.rankdata(x), stats.rankdata(yp, axis=1)  # average ranks for ties
+    rxc, rypc = rx - rx.mean(), ryp - ryp.mean(1, keepdims=True)
+    rhos = (rypc @ rxc) / np.sqrt((rxc**2).sum() * (rypc**2).sum(1))  # (n!,) Pearson of the ranks
+    eps = 1e-12  # the observed order itself counts; float noise must not drop it
+    out.update(tau_p=float(np.mean(np.abs(taus) >= abs(tau) - eps)),
+               rho_p=float(np.mean(np.abs(rhos) >= abs(rho) - eps)),
+               p_method=f"exact permutation p-values ({len(perms):,} orders)")
+    return out
