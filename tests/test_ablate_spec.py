@@ -217,6 +217,7 @@ def test_final_metrics_columns_and_significance(tmp_path):
         ("model.d_k", "model.d_k", "config")]
     assert spec.significance == {"level": 0.01, "resamples": 1000, "seed": 12345, "holm": True}
     plain = spec_of(tmp_path, "axes: {model.norm: [rmsnorm]}\n")  # the metric's block comes first by default
+    assert plain.significance["holm"] is True  # Holm's correction unless the file turns it off
     assert [c.source for c in plain.columns] == ["metric", "params", "tokens_per_s", "wall"] and plain.final_eval
 
 
