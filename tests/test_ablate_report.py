@@ -325,3 +325,25 @@ def test_rank_correlation_p_values_are_exact_permutation_ones_and_absent_under_5
                                                         stats.spearmanr(x9, y9).pvalue))
     r4 = rank_correlation([1, 2, 3, 4], [1, 2, 3, 4])
     assert r4["tau_p"] is None and r4["rho_p"] is None and "fewer than 5" in r4["why"]
+
+
+def zero_fit(exp, ckpt_path=None):
+    """fake_fit whose every trial scores 0 (what a too-short translation study gives: BLEU 0 everywhere)."""
+    run_dir = fake_fit(exp, ckpt_path)
+    path = run_dir / "logs" / "metrics.csv"
+    rows = list(csv.reader(open(path, encoding="utf-8")))
+    for row in rows[1:]:
+        row[5] = "0.0" if row[5] else row[5]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows(rows)
+    return run_dir
+
+
+def test_a_study_where_every_row_scores_0_is_called_degenerate_and_gets_no_stars(tmp_path, capsys):
+    path = write_study(tmp_path, "seeds: [1, 2, 3]\naxes:\n  model.ffn: [relu, swiglu, gelu]\n")
+    spec = load_spec(path)
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=zero_fit) == {"done": 9}
+    assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
+    out = capsys.readouterr().out
+    assert "degenerate study: every trial scored 0 on val/loss" in out and "*" not in out.replace("**", "")
+    assert all(r["p_value"] == "" for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")))
