@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -223,6 +224,10 @@ def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_pat
     for step in (45, 60):
         (run_dir / "checkpoints" / f"step={step}.ckpt").unlink()
     monkeypatch.setattr(intervals, "perf_counter", lambda: pytest.fail("a resumed run timed its steps again"))
-    fit(load_experiment(recipe), ckpt_path=str(run_dir / "checkpoints" / "step=30.ckpt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(load_experiment(recipe), ckpt_path=str(run_dir / "checkpoints" / "step=30.ckpt"))
+    # the ModelCheckpoint's state was found under its (stretched) state key and restored
+    assert not [w for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
     ckpts = sorted(int(p.stem.split("=")[1]) for p in (run_dir / "checkpoints").glob("step=*.ckpt"))
     assert ckpts == [5, 10, 15, 20, 25, 30, 45, 60]  # not 35, 40: the stretched interval came back

@@ -32,11 +32,14 @@ class StretchIntervals(Callback):
     """Stretch trainer.val_every / ckpt_every to last at least val_min / ckpt_min minutes, from the mean time of
     `timed` optimizer steps after `skip` warm-up steps (compiling, first batches)."""
 
-    def __init__(self, val_every: int, ckpt_every: int, val_min: float, ckpt_min: float, skip: int = 5,
-                 timed: int = 20) -> None:
+    def __init__(self, ckpt: ModelCheckpoint, val_every: int, ckpt_every: int, val_min: float, ckpt_min: float,
+                 steps: dict[str, int] | None = None, skip: int = 5, timed: int = 20) -> None:
+        self.ckpt = ckpt  # the run's step checkpoints, whose interval this stretches
         self.val_every, self.ckpt_every, self.val_min, self.ckpt_min = val_every, ckpt_every, val_min, ckpt_min
         self.skip, self.timed = skip, timed
-        self.steps: dict[str, int] | None = None  # the stretched intervals, once known
+        # the stretched intervals, once known; a resume passes the checkpoint's (`saved_steps`) to the constructor, so
+        # the ModelCheckpoint is built with its stretched interval, which is part of the key its state is saved under
+        self.steps: dict[str, int] | None = steps
         self._start: tuple[int, float | None] | None = None  # (first timed step, its time)
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,6 +75,9 @@ class StretchIntervals(Callback):
     def _apply(self, trainer: L.Trainer) -> None:
         batches = self.steps["val"] * trainer.accumulate_grad_batches  # Lightning counts validation in batches
         trainer.val_check_interval = trainer.val_check_batch = batches
-        for cb in trainer.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps:
-                cb._every_n_train_steps = self.steps["ckpt"]
+        self.ckpt._every_n_train_steps = self.steps["ckpt"]
+
+
+def saved_steps(checkpoint: dict[str, Any]) -> dict[str, int] | None:
+    """The stretched intervals a checkpoint's run had (None: not stretched, or not yet)."""
+    return ((checkpoint.get("callbacks") or {}).get(StretchIntervals.__name__) or {}).get("steps")

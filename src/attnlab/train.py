@@ -30,7 +30,7 @@ from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
 from .experiment import Experiment
-from .intervals import StretchIntervals
+from .intervals import StretchIntervals, saved_steps
 from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
@@ -128,7 +128,7 @@ class RedoCutValidation(Callback):
 
 
 def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback] | None = None,
-                 **overrides: Any) -> L.Trainer:
+                 stretched: dict[str, int] | None = None, **overrides: Any) -> L.Trainer:
     """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), trainer.loggers.
     `extra_callbacks` are added to those; `overrides` replace Trainer arguments."""
     t = exp.trainer
@@ -154,7 +154,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         callbacks.append(RequeueOnUSR1(run_dir))  # on USR1: hpc_ckpt_N.ckpt at a step boundary, `scontrol requeue`
     ckpt = ModelCheckpoint(
         dirpath=run_dir / "checkpoints", filename="step={step}", auto_insert_metric_name=False,
-        every_n_train_steps=t.ckpt_every, save_top_k=t.keep_checkpoints, monitor="step", mode="max",
+        every_n_train_steps=stretched["ckpt"] if stretched else t.ckpt_every, save_top_k=t.keep_checkpoints,
+        monitor="step", mode="max",
         save_last=True, save_on_exception=True,
         # True: never defer a step checkpoint to the next validation. Lightning 2.6 otherwise postpones the save
         # due at an epoch's last batch until a validation it expects right after (with step-based validation
@@ -163,7 +164,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
     )
     callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
     if t.val_every_min or t.ckpt_every_min:  # intervals that last at least so long on a fast device
-        callbacks.append(StretchIntervals(t.val_every, t.ckpt_every, t.val_every_min, t.ckpt_every_min))
+        callbacks.append(StretchIntervals(ckpt, t.val_every, t.ckpt_every, t.val_every_min, t.ckpt_every_min,
+                                          steps=stretched))
     if t.progress_bar:  # a bar on a terminal, plain lines in a log file
         callbacks.append(progress_callback(t.log_every, run_dir.name))
     kwargs: dict[str, Any] = dict(
@@ -229,12 +231,15 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     dm, exp = prepare(exp)
     run_dir = exp.run_dir()
     resume = find_resume(run_dir, ckpt_path)
+    stretched = None
     if resume:
-        check_compatible(load_checkpoint(resume), exp.model, resume)
+        ckpt = load_checkpoint(resume)
+        check_compatible(ckpt, exp.model, resume)
+        stretched = saved_steps(ckpt)  # the intervals the run had stretched to (trainer.*_every_min)
     module = make_module(exp, dm)
     if exp.task == "translation":
         module.signature_dir = run_dir
-    trainer = make_trainer(exp, run_dir, extra_callbacks=callbacks, **(trainer_overrides or {}))
+    trainer = make_trainer(exp, run_dir, extra_callbacks=callbacks, stretched=stretched, **(trainer_overrides or {}))
     if trainer.global_rank == 0:
         if resume:
             keep_metrics(run_dir)  # the resumed attempt's logger starts logs/metrics.csv afresh
