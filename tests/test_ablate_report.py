@@ -156,13 +156,13 @@ def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, c
 
 
 def test_main_effects_and_the_interaction_equal_the_means_of_table_csv(tmp_path, capsys):
-    body = "seeds: [1, 2]\nsignificance: {holm: true}\naxes:\n  model.ffn: [relu, swiglu]\n" \
-           "  model.qk_norm: [false, true]\n"
+    body = "seeds: [1, 2]\naxes:\n  model.ffn: [relu, swiglu]\n  model.qk_norm: [false, true]\n"  # Holm: default
     spec = load_spec(write_study(tmp_path, body))
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
     assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
     out = capsys.readouterr().out
     assert "Welch's t-test over seeds" in out and "(Holm-corrected); 3 comparison(s) against the baseline" in out
+    assert "Baseline:" not in out  # relu without qk_norm is the base recipe's own values
     tested = [r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")) if r["p_value"]]
     assert [float(r["p_holm"]) for r in tested] == pytest.approx(holm([float(r["p_value"]) for r in tested]))
     assert all((r["significant"] == "True") == (float(r["p_holm"]) < 0.05) for r in tested)
@@ -301,3 +301,20 @@ decode: {{average_last: 2}}
                 tokens += int(batch["target"].ne(0).sum())
         assert final[f"{split}_loss"] == pytest.approx(nll / tokens, rel=1e-5), split
         assert final[f"{split}_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_the_footnote_says_which_row_became_the_baseline_and_why(tmp_path, capsys):
+    """No variant has the base recipe's ffn (relu): the first is the baseline and the footnote says so; a
+    `baseline:` key picks another row and the footnote is silent; `holm: false` turns the correction off."""
+    for body, baseline, note in (
+            ("axes:\n  model.ffn: [gelu, swiglu]\n", "ffn=gelu", "Baseline: no variant has the base recipe's own "
+             "values of model.ffn, so the first, ffn=gelu, is the baseline"),
+            ("baseline: ffn=swiglu\nsignificance: {holm: false}\naxes:\n  model.ffn: [gelu, swiglu]\n", "ffn=swiglu",
+             "")):
+        spec = load_spec(write_study(tmp_path, "seeds: [1, 2]\n" + body))
+        run_study(spec, tmp_path / baseline, opts=FAST, fit=fake_fit)
+        assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / baseline)]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith(f"| {baseline} |"))
+        assert "| baseline |" in line and (note in out if note else "Baseline:" not in out), out
+        assert ("Holm-corrected" if note else "not corrected for multiple comparisons") in out

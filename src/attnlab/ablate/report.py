@@ -8,8 +8,9 @@ shared seeds: no test, and the p cell says so), then the columns the file choose
 FLOPs per token, steps and tokens trained, tokens/s, wall time, any metric (final/..., or the last value of a logged
 curve) and any config attribute (the paper's N, d_model, d_k, ...). Rows are sorted best first for the metric's
 direction; rows whose difference is significant at the file's level are marked with *, and the table says how many
-comparisons were made (and whether Holm's correction applies). The baseline is the variant whose varied fields equal
-the base experiment's own values, or else the first variant (see AblationSpec.baseline); a search has none.
+comparisons were made (Holm's correction unless the file turns it off). The baseline is the file's baseline:, else the
+variant whose varied fields equal the base experiment's own values, else the first variant, and the footnote says
+so (see AblationSpec.baseline); a search has none.
 """
 
 from __future__ import annotations
@@ -176,8 +177,9 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
     tested = [r.comparison for r in rows if r.comparison is not None]
     if not any(r.baseline for r in rows):
         return ""
+    why = f" Baseline: {h.spec.baseline_reason()}." if h.spec.baseline_reason() else ""
     if not tested:
-        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds both rows have)."
+        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds both rows have)." + why
     sig = h.spec.significance
     methods = {c.method for c in tested}
     parts = ["Δ: difference of the means to the baseline row, on the seeds both rows have (n)."]
@@ -191,7 +193,7 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
         parts.append("p: Welch's t-test over seeds; 95% CI of Δ: t distribution, Welch-Satterthwaite df.")
     holm_text = "Holm-corrected" if sig["holm"] else "not corrected for multiple comparisons"
     parts.append(f"* p < {sig['level']:g} ({holm_text}); {len(tested)} comparison(s) against the baseline.")
-    return " ".join(parts)
+    return " ".join(parts) + why
 
 
 # ---------------------------------------------------------------------------------------------- formatting
