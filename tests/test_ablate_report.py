@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import torch.nn.functional as F
 from optuna.distributions import CategoricalDistribution
@@ -103,13 +104,13 @@ def test_final_scores_are_stored_with_each_trial_and_the_table_shows_p_and_ci(pr
     p, low, high = float(swiglu["p_value"]), float(swiglu["delta_ci_low"]), float(swiglu["delta_ci_high"])
     assert p < 0.01 and 0 < low < float(swiglu["delta_vs_baseline"]) < high and swiglu["significant"] == "True"
     line = next(x for x in out.splitlines() if x.startswith("| ffn=swiglu |"))
-    assert f"| {p:.3g}* | [+{low:.2f}, +{high:.2f}] |" in line and "| 1 | 4 | 8 | 0 | 0.1 |" in line
-    assert "1 comparison(s) against the baseline" in out and "sacreBLEU" in out and "pooled" in out
+    assert f"| {p:.3g}* (n=3) | [+{low:.2f}, +{high:.2f}] |" in line and "| 1 | 4 | 8 | 0 | 0.1 |" in line
+    assert "1 comparison(s) against the baseline" in out and "Welch's t-test over the seeds both rows have" in out
     assert line.endswith("| 10 | 10K |")  # steps, tokens trained (fake_fit's last train/tokens)
     assert float(swiglu["FLOPs/token"]) == step_cost(spec.experiment({"model.ffn": "swiglu"})).flops_per_token
 
 
-def test_per_seed_and_pooled_p_values_equal_sacrebleus_command_line_on_the_stored_files(proof, tmp_path):
+def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch_over_seed_bleu(proof, tmp_path):
     _, spec, h = proof
     rows = {r["variant"]: r for r in csv.DictReader(open(h.dir / "table.csv", encoding="utf-8"))}
     per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["p_per_seed"].split())
@@ -121,9 +122,11 @@ def test_per_seed_and_pooled_p_values_equal_sacrebleus_command_line_on_the_store
     for seed in (1, 2, 3):
         (base, ref), (hyp, _) = files["ffn=relu", seed], files["ffn=swiglu", seed]
         assert round(float(per_seed[str(seed)]), 4) == cli_p_value(tmp_path, ref, base, hyp, 300, 11)
-    pooled = [[x for s in (1, 2, 3) for x in files[v, s][i]] for v, i in (("ffn=relu", 1), ("ffn=relu", 0),
-                                                                          ("ffn=swiglu", 0))]
-    assert round(float(rows["ffn=swiglu"]["p_value"]), 4) == cli_p_value(tmp_path, *pooled, 300, 11)
+    bleu = {v: [sacrebleu.corpus_bleu(files[v, s][0], [files[v, s][1]]).score for s in (1, 2, 3)]
+            for v in ("ffn=relu", "ffn=swiglu")}
+    res = stats.ttest_ind(bleu["ffn=swiglu"], bleu["ffn=relu"], equal_var=False)
+    assert float(rows["ffn=swiglu"]["p_value"]) == pytest.approx(res.pvalue, rel=1e-9)
+    assert rows["ffn=swiglu"]["test"] == "Welch over seed scores"
 
 
 def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, capsys):
@@ -154,13 +157,13 @@ def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, c
 
 
 def test_main_effects_and_the_interaction_equal_the_means_of_table_csv(tmp_path, capsys):
-    body = "seeds: [1, 2]\nsignificance: {holm: true}\naxes:\n  model.ffn: [relu, swiglu]\n" \
-           "  model.qk_norm: [false, true]\n"
+    body = "seeds: [1, 2]\naxes:\n  model.ffn: [relu, swiglu]\n  model.qk_norm: [false, true]\n"  # Holm: default
     spec = load_spec(write_study(tmp_path, body))
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
     assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
     out = capsys.readouterr().out
     assert "Welch's t-test over seeds" in out and "(Holm-corrected); 3 comparison(s) against the baseline" in out
+    assert "Baseline:" not in out  # relu without qk_norm is the base recipe's own values
     tested = [r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")) if r["p_value"]]
     assert [float(r["p_holm"]) for r in tested] == pytest.approx(holm([float(r["p_value"]) for r in tested]))
     assert all((r["significant"] == "True") == (float(r["p_holm"]) < 0.05) for r in tested)
@@ -347,3 +350,18 @@ def test_a_study_where_every_row_scores_0_is_called_degenerate_and_gets_no_stars
     out = capsys.readouterr().out
     assert "degenerate study: every trial scored 0 on val/loss" in out and "*" not in out.replace("**", "")
     assert all(r["p_value"] == "" for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")))
+def test_the_footnote_says_which_row_became_the_baseline_and_why(tmp_path, capsys):
+    """No variant has the base recipe's ffn (relu): the first is the baseline and the footnote says so; a
+    `baseline:` key picks another row and the footnote is silent; `holm: false` turns the correction off."""
+    for body, baseline, note in (
+            ("axes:\n  model.ffn: [gelu, swiglu]\n", "ffn=gelu", "Baseline: no variant has the base recipe's own "
+             "values of model.ffn, so the first, ffn=gelu, is the baseline"),
+            ("baseline: ffn=swiglu\nsignificance: {holm: false}\naxes:\n  model.ffn: [gelu, swiglu]\n", "ffn=swiglu",
+             "")):
+        spec = load_spec(write_study(tmp_path, "seeds: [1, 2]\n" + body))
+        run_study(spec, tmp_path / baseline, opts=FAST, fit=fake_fit)
+        assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / baseline)]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith(f"| {baseline} |"))
+        assert "| baseline |" in line and (note in out if note else "Baseline:" not in out), out
+        assert ("Holm-corrected" if note else "not corrected for multiple comparisons") in out

@@ -142,7 +142,11 @@ def test_baseline_is_the_base_recipes_own_values_else_the_first(tmp_path):
     spec = spec_of(tmp_path, "axes:\n  model.norm: [rmsnorm, layernorm]\n  model.ffn: [gelu, relu]\n")
     assert spec.baseline().overrides == {"model.norm": "layernorm", "model.ffn": "relu"}
     spec = spec_of(tmp_path, "axes:\n  model.ffn: [gelu, swiglu]\n")
-    assert spec.baseline().overrides == {"model.ffn": "gelu"}
+    assert spec.baseline().overrides == {"model.ffn": "gelu"} and "the first, ffn=gelu" in spec.baseline_reason()
+    spec = spec_of(tmp_path, "baseline: ffn=swiglu\naxes:\n  model.ffn: [gelu, swiglu]\n")
+    assert spec.baseline().overrides == {"model.ffn": "swiglu"} and spec.baseline_reason() == ""
+    with pytest.raises(ConfigError, match=r"baseline: 'ffn=silu' is not a variant; expected one of \['ffn=gelu'"):
+        spec_of(tmp_path, "baseline: ffn=silu\naxes:\n  model.ffn: [gelu, swiglu]\n")
 
 
 def test_variants_list_combines_with_axes(tmp_path):

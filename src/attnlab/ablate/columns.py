@@ -15,7 +15,7 @@ FINAL_METRIC = re.compile(r"^final/(valid|test)_(loss|ppl|bleu|chrf)$")  # what 
 BUILT_IN_COLUMNS = {"metric": "", "params": "params", "flops": "FLOPs/token", "train_flops": "train FLOPs",
                     "steps": "steps", "tokens": "tokens", "tokens_per_s": "tokens/s", "wall": "wall"}
 DEFAULT_COLUMNS = ("metric", "params", "tokens_per_s", "wall")
-SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "holm": True}  # Holm 1979: on unless off
+SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "holm": True}  # Holm 1979 unless holm: false
 
 
 @dataclass(frozen=True)

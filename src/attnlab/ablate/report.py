@@ -1,15 +1,16 @@
 """Tables (markdown, CSV, LaTeX) of a study, computed only from what its trials stored.
 
 One row per variant: the study metric's mean ± sample standard deviation over the seeds that finished (n), its
-difference to the baseline row's mean (Δ), the p-value and 95% CI of that difference (stats.py: sacreBLEU's paired
-bootstrap on the stored hypotheses, pooled over the seeds, when the metric is a final BLEU or chrF; Welch's
-t-test over the seeds otherwise), then the columns the file chooses (columns.py): parameters, training FLOPs per
-token, steps and tokens trained, tokens/s, wall time, any metric (final/..., or the last value of a logged curve)
-and any config attribute (the paper's N, d_model, d_k, ...). Rows are sorted best first for the metric's
-direction; rows whose difference is significant at the file's level are marked with *, and the table says how
-many comparisons were made (and whether Holm's correction applies). The baseline is the variant whose varied
-fields equal the base experiment's own values, or else the first variant (see AblationSpec.baseline); a search
-has none.
+difference to the baseline row's mean on the seeds both rows have (Δ), the p-value and 95% CI of that difference on
+those seeds, and their number (stats.py: Welch's t-test over the seeds, on each seed's sacreBLEU corpus score when
+the metric is a final BLEU or chrF, with each seed's sacreBLEU paired bootstrap beside it in table.csv; fewer than 2
+shared seeds: no test, and the p cell says so), then the columns the file chooses (columns.py): parameters, training
+FLOPs per token, steps and tokens trained, tokens/s, wall time, any metric (final/..., or the last value of a logged
+curve) and any config attribute (the paper's N, d_model, d_k, ...). Rows are sorted best first for the metric's
+direction; rows whose difference is significant at the file's level are marked with *, and the table says how many
+comparisons were made (Holm's correction unless the file turns it off). The baseline is the file's baseline:, else the
+variant whose varied fields equal the base experiment's own values, else the first variant, and the footnote says
+so (see AblationSpec.baseline); a search has none.
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ class Row:
     comparison: Comparison | None = None
     significant: bool = False
     cells: dict[str, Any] = field(default_factory=dict)  # column source -> value (mean over seeds)
+    baseline_seeds: list[int] = field(default_factory=list)  # the baseline row's seeds (compare sets them)
 
     @property
     def seeds(self) -> list[int]:
         return [int(t.user_attrs.get("seed", 0)) for t in self.trials]
+
+    @property
+    def by_seed(self) -> dict[int, float]:
+        return dict(zip(self.seeds, self.values, strict=True))
 
     @property
     def n(self) -> int:
@@ -151,15 +157,19 @@ def compare(h: StudyHandle, rows: list[Row], base: Row) -> None:
         texts = {r.key: {t.user_attrs.get("seed", 0): hypotheses(t, final.group(1), attrs) for t in r.trials}
                  for r in rows}
     for r in rows:
-        r.delta = r.mean - base.mean
-        if r is base:
+        r.baseline_seeds = base.seeds
+        shared = sorted(set(r.seeds) & set(base.seeds))
+        if r is base or not shared:
+            r.delta = r.mean - base.mean
             continue
+        values, base_values = [r.by_seed[s] for s in shared], [base.by_seed[s] for s in shared]
+        r.delta = sum(values) / len(shared) - sum(base_values) / len(shared)
         pairs = texts.get(r.key, {})
         if pairs and all(pairs.values()) and all(texts[base.key].values()):
             r.comparison = bootstrap_rows(texts[base.key], pairs, score, sig["resamples"], sig["seed"])
         else:
-            p, low, high = welch(base.values, r.values)
-            r.comparison = Comparison("Welch", p, low, high, seeds=tuple(r.seeds)) if not math.isnan(p) else None
+            p, low, high = welch(base_values, values)
+            r.comparison = Comparison("Welch", p, low, high, seeds=tuple(shared)) if not math.isnan(p) else None
     tested = [r for r in rows if r.comparison is not None]
     for r, p in zip(tested, holm([r.comparison.p_value for r in tested]), strict=True):
         r.comparison.p_holm = p
@@ -171,21 +181,23 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
     tested = [r.comparison for r in rows if r.comparison is not None]
     if not any(r.baseline for r in rows):
         return ""
+    why = f" Baseline: {h.spec.baseline_reason()}." if h.spec.baseline_reason() else ""
     if not tested:
-        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds, or stored hypotheses)."
+        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds both rows have)." + why
     sig = h.spec.significance
     methods = {c.method for c in tested}
-    parts = ["Δ: difference of the means to the baseline row."]
-    if "paired bootstrap" in methods:
-        parts.append(f"p and 95% CI of Δ for {h.spec.metric}: paired bootstrap resampling with sacreBLEU "
-                     f"{version()} ({sig['resamples']} resamples, seed {sig['seed']}) on the stored hypotheses of "
-                     "the seeds both rows have, pooled (hypotheses concatenated, references repeated); "
-                     "table.csv has each seed's p-value.")
+    parts = ["Δ: difference of the means to the baseline row, on the seeds both rows have (n)."]
+    if "Welch over seed scores" in methods:
+        parts.append(f"p and 95% CI of Δ for {h.spec.metric}: Welch's t-test over the seeds both rows have, on "
+                     f"each seed's corpus score (sacreBLEU {version()}), so seed and sentence noise both count; "
+                     "n is the number of shared seeds. table.csv's p_per_seed: sacreBLEU's paired bootstrap of "
+                     f"each shared seed alone ({sig['resamples']} resamples, seed {sig['seed']}; sentence noise "
+                     "only).")
     if "Welch" in methods:
         parts.append("p: Welch's t-test over seeds; 95% CI of Δ: t distribution, Welch-Satterthwaite df.")
     holm_text = "Holm-corrected" if sig["holm"] else "not corrected for multiple comparisons"
     parts.append(f"* p < {sig['level']:g} ({holm_text}); {len(tested)} comparison(s) against the baseline.")
-    return " ".join(parts)
+    return " ".join(parts) + why
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -246,7 +258,11 @@ def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
         return out
     out.append("baseline" if r.baseline else "" if r.delta is None else f"{r.delta:+.{d}f}")
     c = r.comparison
-    out.append("" if c is None else f"{c.p_value:.3g}" + ("*" if r.significant else ""))
+    shared = len(set(r.seeds) & set(r.baseline_seeds))
+    if c is not None:
+        out.append(f"{c.p_value:.3g}" + ("*" if r.significant else "") + f" (n={len(c.seeds)})")
+    else:
+        out.append("" if r.baseline else f"none: {shared} shared seed{'s' * (shared != 1)}, a test needs 2")
     out.append("" if c is None else f"[{c.ci_low:+.{d}f}, {c.ci_high:+.{d}f}]")
     return out
 

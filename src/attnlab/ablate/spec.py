@@ -11,7 +11,8 @@ search), seeds, the metric and its direction, the budget and resources of one tr
                                               # {flops: 1.0e15}: each variant the steps that spend that (budget.py)
     final_eval: true                          # evaluate each trial as its recipe says (final.py); the default
     columns: [metric, params, flops, steps, {PPL: final/valid_ppl}, {d_k: model.d_k}]   # of the table
-    significance: {level: 0.05, resamples: 1000, seed: 12345, holm: true}   # against the baseline row
+    significance: {level: 0.05, resamples: 1000, seed: 12345, holm: true}    # against the baseline row
+    baseline: ffn=relu                        # the baseline row (a variant's name); default: the base recipe's
     resources: {devices: 1}                   # per trial; devices also sets trainer.devices
     retries: 2                                # a failing point is tried 1 + retries times
     overrides: {trainer.val_every: 500}       # applied to every trial
@@ -62,7 +63,7 @@ from .columns import need as _need
 
 TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
             "axes", "variants", "search", "n_trials", "distributions", "search_seed", "final_eval", "columns",
-            "significance")
+            "significance", "baseline")
 HORIZON_SCHEDULES = ("cosine", "wsd")  # the schedules that decay towards optim.max_steps
 RESOURCE_KEYS = ("devices", "nodes", "cpus", "mem_gb", "time_min", "partition")
 DIST_TYPES = ("float", "int", "log", "categorical")
@@ -128,6 +129,7 @@ class AblationSpec:
     n_trials: int = 0
     search_seed: int = 0
     description: str = ""
+    baseline_name: str | None = None  # the file's baseline: (a variant's name or key)
 
     @property
     def is_search(self) -> bool:
@@ -161,16 +163,27 @@ class AblationSpec:
         return [Point(v, s) for s in self.seeds for v in variants]
 
     def baseline(self) -> Variant | None:
-        """The variant whose varied fields all equal the base experiment's own values; failing that, the first
-        variant (the first value of each axis, or the first listed variant). None for a search."""
+        """The variant the file names in baseline:, else the one whose varied fields all equal the base
+        experiment's own values, else the first variant (the first value of each axis, or the first listed
+        variant). None for a search."""
+        return self._baseline()[0]
+
+    def baseline_reason(self) -> str:
+        """Why the baseline row is the first variant, when neither baseline: nor the base recipe chose it."""
+        return self._baseline()[1]
+
+    def _baseline(self) -> tuple[Variant | None, str]:
         if self.is_search:
-            return None
+            return None, ""
         variants = self.variants()
+        if self.baseline_name is not None:
+            return next(v for v in variants if self.baseline_name in (v.name, v.key)), ""
         base = flatten(self.experiment({}).to_dict())
         for v in variants:
             if all(base.get(k) == x for k, x in v.overrides.items()):
-                return v
-        return variants[0]
+                return v, ""
+        return variants[0], (f"no variant has the base recipe's own values of {', '.join(sorted(self.varied_keys()))}, "
+                             f"so the first, {variants[0].name}, is the baseline (baseline: in the file chooses one)")
 
     # ----- configs -----
     def trial_overrides(self, variant_overrides: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -360,9 +373,11 @@ def load_spec(path: str | Path) -> AblationSpec:
         variant_list=variant_list,
         distributions=dists, n_trials=n_trials if search else 0, search_seed=int(raw.get("search_seed", 0)),
         description=str(raw.get("description", "")),
+        baseline_name=None if raw.get("baseline") is None else str(raw["baseline"]),
     )
     spec.experiment({})  # the base itself, with the fixed overrides and budget, must load
     check_spec(spec)
+    _check_baseline(spec, src)
     return spec
 
 
@@ -429,6 +444,15 @@ def _distributions(d: Any, src: str) -> tuple[Distribution, ...]:
         _need(not (log and step), f"{where}: log and step cannot be combined")
         out.append(Distribution(k, kind, low, high, step, log))
     return tuple(out)
+
+
+def _check_baseline(spec: AblationSpec, src: str) -> None:
+    if spec.baseline_name is None:
+        return
+    _need(not spec.is_search, f"{src}: baseline: a search has no baseline row")
+    names = [v.name for v in spec.variants()]
+    _need(any(spec.baseline_name in (v.name, v.key) for v in spec.variants()),
+          f"{src}: baseline: {spec.baseline_name!r} is not a variant; expected one of {names}")
 
 
 def check_spec(spec: AblationSpec) -> None:
