@@ -110,12 +110,13 @@ def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[st
         row.cells = {c.source: column_value(row, c, attrs) for c in spec.columns if c.source != "metric"}
         rows.append(row)
     base_row = next((r for r in rows if r.baseline), None)
-    degenerate = len(rows) > 1 and all(v == 0 for r in rows for v in r.values)
-    if degenerate:  # nothing to tell apart (a budget too short to score: BLEU 0 everywhere)
-        notes.append(f"degenerate study: every trial scored 0 on {spec.metric}, so no row can differ from another: "
-                     "no test and no star (a larger budget would give scores)")
-    elif base_row is not None and tests:
+    if base_row is not None and tests:
         compare(h, rows, base_row)
+    if len(rows) > 1 and all(v == 0 for r in rows for v in r.values):  # a budget too short to score: BLEU 0
+        for r in rows:
+            r.significant = False
+        notes.append(f"degenerate study: every trial scored 0 on {spec.metric}, so no row can differ from another: "
+                     "no star (a larger budget would give scores)")
     rows.sort(key=lambda r: r.mean, reverse=spec.direction == "max")
     if baseline and base_row is None and rows:
         notes.insert(0, "the baseline variant has no finished trial: no differences shown")
