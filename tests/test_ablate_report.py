@@ -26,7 +26,7 @@ from attnlab.ablate.budget import step_cost
 from attnlab.ablate.final import evaluate_run, read_lines, write_lines
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
-from attnlab.ablate.stats import holm, rank_correlation
+from attnlab.ablate.stats import holm, paired_bootstrap, rank_correlation
 from attnlab.ablate.study import connect
 from attnlab.checkpoints import average_checkpoints
 from attnlab.cli import main
@@ -114,6 +114,7 @@ def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch
     _, spec, h = proof
     rows = {r["variant"]: r for r in csv.DictReader(open(h.dir / "table.csv", encoding="utf-8"))}
     per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["p_per_seed"].split())
+    ci_per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["ci_per_seed"].split())
     files = {}
     for t in h.study.get_trials():
         eval_dir = Path(t.user_attrs["final"]["eval_dir"])
@@ -122,6 +123,8 @@ def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch
     for seed in (1, 2, 3):
         (base, ref), (hyp, _) = files["ffn=relu", seed], files["ffn=swiglu", seed]
         assert round(float(per_seed[str(seed)]), 4) == cli_p_value(tmp_path, ref, base, hyp, 300, 11)
+        low, high = paired_bootstrap(base, hyp, ref, "bleu", 300, 11)[1:]
+        assert ci_per_seed[str(seed)] == f"[{low!r},{high!r}]"
     bleu = {v: [sacrebleu.corpus_bleu(files[v, s][0], [files[v, s][1]]).score for s in (1, 2, 3)]
             for v in ("ffn=relu", "ffn=swiglu")}
     res = stats.ttest_ind(bleu["ffn=swiglu"], bleu["ffn=relu"], equal_var=False)

@@ -193,7 +193,7 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
                      f"each seed's corpus score (sacreBLEU {version()}), so seed and sentence noise both count; "
                      "n is the number of shared seeds. table.csv's p_per_seed: sacreBLEU's paired bootstrap of "
                      f"each shared seed alone ({sig['resamples']} resamples, seed {sig['seed']}; sentence noise "
-                     "only).")
+                     "only), ci_per_seed its 95% percentile interval.")
     if "Welch" in methods:
         parts.append("p: Welch's t-test over seeds; 95% CI of Δ: t distribution, Welch-Satterthwaite df.")
     holm_text = "Holm-corrected" if sig["holm"] else "not corrected for multiple comparisons"
@@ -340,12 +340,13 @@ def write_csv(path: Path, h: StudyHandle, rows: list[Row]) -> None:
         w = csv.writer(f)
         w.writerow(["variant", f"{metric} mean", f"{metric} std", "n", f"{metric} ci_low", f"{metric} ci_high",
                     "delta_vs_baseline", "p_value", "delta_ci_low", "delta_ci_high", "p_holm", "significant", "test",
-                    "p_per_seed", "baseline", *[c.label or c.source for c in extra], "n_params", "tokens_per_s",
-                    "wall_s", "seeds", "values"])
+                    "p_per_seed", "ci_per_seed", "baseline", *[c.label or c.source for c in extra], "n_params",
+                    "tokens_per_s", "wall_s", "seeds", "values"])
         for r in rows:
             c = r.comparison
             test = [c.p_value, c.ci_low, c.ci_high, c.p_holm, r.significant, c.method,
-                    " ".join(f"{s}:{p!r}" for s, p in c.per_seed.items())] if c else ["", "", "", "", "", "", ""]
+                    " ".join(f"{s}:{p!r}" for s, p in c.per_seed.items()),
+                    " ".join(f"{s}:[{lo!r},{hi!r}]" for s, (lo, hi) in c.per_seed_ci.items())] if c else [""] * 8
             w.writerow([r.variant, r.mean, r.std, r.n, *t_interval(r.values), "" if r.delta is None else r.delta,
                         *test, r.baseline, *["" if r.cells.get(x.source) is None else r.cells[x.source] for x in extra],
                         r.trials[0].user_attrs.get("n_params"), r.attr_mean("tokens_per_s"), r.attr_mean("wall_s"),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import sacrebleu
 from sacrebleu.metrics import BLEU, CHRF
-from sacrebleu.significance import PairedTest, _bootstrap_resample, estimate_ci
+from sacrebleu.significance import PairedTest, _bootstrap_resample
 from scipy import stats
 
 SCORERS = {"bleu": BLEU, "chrf": CHRF}
@@ -43,6 +43,7 @@ class Comparison:
     ci_low: float
     ci_high: float
     per_seed: dict[int, float] = field(default_factory=dict)  # sacreBLEU paired-bootstrap p of each shared seed
+    per_seed_ci: dict[int, tuple[float, float]] = field(default_factory=dict)  # its 95% percentile interval
     seeds: tuple[int, ...] = ()  # the seeds it was computed on
     p_holm: float | None = None
 
@@ -63,7 +64,12 @@ def sacrebleu_seed(seed: int) -> Iterator[None]:
 
 def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequence[str], metric: str,
                      resamples: int, seed: int) -> tuple[float, float, float]:
-    """(p-value, CI low, CI high) of metric(hyps) - metric(base_hyps) by sacreBLEU's paired bootstrap."""
+    """(p-value, CI low, CI high) of metric(hyps) - metric(base_hyps) by sacreBLEU's paired bootstrap. The CI is
+    the percentile interval (Efron & Tibshirani 1993, ch. 13): the 2.5th and 97.5th percentiles (numpy's linear
+    interpolation) of the resampled differences, both systems scored on the same resampled sentences (sacreBLEU's
+    indices, `default_rng(seed).choice(n, (resamples, n))`). sacreBLEU's own `estimate_ci` gives the mean ± half
+    the width between two order statistics instead, which is symmetric about the mean where the resampled
+    differences are not."""
     if not len(base_hyps) == len(hyps) == len(refs):
         raise ValueError(f"paired bootstrap needs as many segments in each: baseline {len(base_hyps)}, "
                          f"system {len(hyps)}, references {len(refs)}")
@@ -79,8 +85,8 @@ def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequen
     diffs = np.array([s.score - b.score for b, s in zip(*resampled, strict=True)])
     if not diffs.any():  # the two score alike on every resample (the same hypotheses): no difference at all.
         p_value = 1.0  # sacreBLEU's count gives 1 / (resamples + 1) here, "significant"
-    mean, half = estimate_ci(diffs)
-    return p_value, float(mean - half), float(mean + half)
+    low, high = np.quantile(diffs, [0.025, 0.975])  # (resamples,) -> the percentile interval
+    return p_value, float(low), float(high)
 
 
 def welch(base: Sequence[float], values: Sequence[float]) -> tuple[float, float, float]:
@@ -128,12 +134,13 @@ def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, 
     for s in seeds:
         if base[s][1] != row[s][1]:
             raise ValueError(f"seed {s}: the two rows' references differ; they were not scored on the same split")
-    each = {s: paired_bootstrap(base[s][0], row[s][0], row[s][1], metric, resamples, seed)[0] for s in seeds}
+    each = {s: paired_bootstrap(base[s][0], row[s][0], row[s][1], metric, resamples, seed) for s in seeds}
     if len(seeds) < 2:
         return None
     scores = [{s: corpus_score(d[s][0], d[s][1], metric) for s in seeds} for d in (base, row)]
     p_value, low, high = welch([scores[0][s] for s in seeds], [scores[1][s] for s in seeds])
-    return Comparison("Welch over seed scores", p_value, low, high, each, seeds)
+    return Comparison("Welch over seed scores", p_value, low, high, {s: e[0] for s, e in each.items()},
+                      {s: e[1:] for s, e in each.items()}, seeds)
 
 
 def version() -> str:
