@@ -1,11 +1,16 @@
 """Which factor matters, and do conclusions transfer? `attnlab ablate effects` and `attnlab ablate compare`.
 
 Main effects of a grid: for each factor (an axis, or `variant` for a variants: list), the metric at each of its
-values averaged over every other factor, with a 95% CI. Per seed, the mean over the variants at that value; then
-the mean of those per-seed means and its t interval over the seeds (the other factors are averaged over by
-design, so what repeats is the seed). With every cell of the grid finished, an effect is the mean of the table's
-rows at that value. A two-way interaction: the same for each pair of values of two factors, and each cell's
-interaction term, cell - its row's mean - its column's mean + the grand mean (0 everywhere when the two add up).
+values averaged over every other factor and the seeds, with a 95% CI, and each value's difference to the first.
+They come from a linear model fitted by least squares to every finished (variant, seed) trial: the metric on
+each factor and the seed, a fixed effect (stats.fit_linear), whose estimated marginal means (Searle, Speed &
+Milliken 1980) average the model's prediction over the whole grid and the seeds. With every cell finished this is
+the plain mean of the table's rows at that value. A trial that failed leaves a hole the model fills from the
+others, so a factor's effect is not biased by which seeds are missing (averaging the seeds that finished would
+be), and the missing (variant, seed) cells are listed. A two-way interaction adds the pair's interaction to the
+model: each cell's mean and its interaction term, cell - its row's mean - its column's mean + the grand mean
+(0 everywhere when the two add up), each with its 95% CI; a cell with no finished trial cannot be estimated.
+Intervals are t intervals on the model's residual degrees of freedom, conditional on the seeds run.
 
 Transfer between studies (Narang et al. 2021, "Do Transformer Modifications Transfer Across Implementations and
 Applications?"): the variants present in both studies are joined on the config fields both of them vary (each
@@ -19,14 +24,16 @@ same variants win).
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
 
 from .report import Row, collect_rows, digits
 from .spec import fmt
-from .stats import rank_correlation, t_interval
+from .stats import fit_linear, rank_correlation
 from .study import StudyHandle
 
 Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "variant": "(A) h=1"}
@@ -35,11 +42,12 @@ Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "vari
 @dataclass
 class Effect:
     levels: tuple[str, ...]  # the value of each factor asked for
-    mean: float
+    mean: float  # NaN when the model cannot estimate it
     low: float
     high: float
-    n_seeds: int
-    interaction: float | None = None  # two-way cells only
+    n_seeds: int  # seeds with a finished trial at these values
+    vs_first: tuple[float, float, float] | None = None  # difference to the factor's first value, 95% CI
+    interaction: tuple[float, float, float] | None = None  # two-way cells only: the term and its 95% CI
 
 
 def level_table(h: StudyHandle, rows: list[Row]) -> list[tuple[Levels, dict[int, float]]]:
@@ -49,47 +57,88 @@ def level_table(h: StudyHandle, rows: list[Row]) -> list[tuple[Levels, dict[int,
     for v in h.spec.variants():
         if v.key in by_key:
             r = by_key[v.key]
-            out.append((dict(level.split("=", 1) for level in v.levels), dict(zip(r.seeds, r.values, strict=True))))
+            out.append((levels_of(v.levels), dict(zip(r.seeds, r.values, strict=True))))
     return out
+
+
+def levels_of(levels: tuple[str, ...]) -> Levels:
+    return dict(level.split("=", 1) for level in levels)
 
 
 def factors(table: list[tuple[Levels, dict[int, float]]]) -> list[str]:
     return list(table[0][0]) if table else []
 
 
-def marginal(table: list[tuple[Levels, dict[int, float]]], names: tuple[str, ...]) -> list[Effect]:
-    """The metric at each combination of values of `names`, averaged over the other factors (module docstring)."""
-    per: dict[tuple[str, ...], dict[int, list[float]]] = {}
-    for levels, values in table:
-        cell = per.setdefault(tuple(levels[f] for f in names), {})
-        for seed, v in values.items():
-            cell.setdefault(seed, []).append(v)
+def missing_cells(h: StudyHandle, table: list[tuple[Levels, dict[int, float]]]) -> list[str]:
+    """The (variant, seed) cells of the grid without a finished trial."""
+    done = {(tuple(lv.items()), s) for lv, values in table for s in values}
+    return [f"{v.name} (seed {s})" for v in h.spec.variants() for s in h.spec.seeds
+            if (tuple(levels_of(v.levels).items()), s) not in done]
+
+
+class EffectModel:
+    """metric ~ intercept + each factor (+ the pair's interaction) + seed, by least squares over every finished
+    trial; `grid` (every variant's levels) and the seeds that finished are what the marginal means average over."""
+
+    def __init__(self, table: list[tuple[Levels, dict[int, float]]], grid: list[Levels],
+                 pair: tuple[str, str] | None = None):
+        self.names, self.grid, self.pair = factors(table), grid, pair
+        self.values = {f: list(dict.fromkeys(g[f] for g in grid)) for f in self.names}
+        self.seeds = sorted({s for _, values in table for s in values})
+        self.table = table
+        x = np.array([self.row(lv, s) for lv, values in table for s in values])  # (trials, params)
+        y = np.array([v for _, values in table for v in values.values()])  # (trials,)
+        self.fit = fit_linear(x, y)
+
+    def row(self, levels: Levels, seed: int) -> list[float]:
+        """The design row of a trial: treatment-coded factors, the pair's products, the seed."""
+        out = [1.0]
+        for f in self.names:
+            out += [float(levels[f] == v) for v in self.values[f][1:]]
+        if self.pair:
+            a, b = self.pair
+            out += [float(levels[a] == x and levels[b] == y) for x in self.values[a][1:] for y in self.values[b][1:]]
+        return out + [float(seed == s) for s in self.seeds[1:]]
+
+    def mean_of(self, where: Levels) -> np.ndarray:
+        """The contrast of the marginal mean at `where`: the design rows of the grid's cells that match it, over
+        every seed, averaged."""
+        return np.mean([self.row(g, s) for g in self.grid if all(g[k] == v for k, v in where.items())
+                        for s in self.seeds], axis=0)
+
+    def effect(self, where: Levels, first: Levels | None = None) -> Effect:
+        est = self.fit.estimate(self.mean_of(where))
+        n = len({s for lv, values in self.table if all(lv[k] == v for k, v in where.items()) for s in values})
+        e = Effect(tuple(where.values()), *(est or (math.nan,) * 3), n)
+        if first is not None and first != where:
+            e.vs_first = self.fit.estimate(self.mean_of(where) - self.mean_of(first))
+        return e
+
+
+def main_effects(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels]) -> dict[str, list[Effect]]:
+    """Each factor's marginal mean at each value, and its difference to the first value (additive model)."""
+    m = EffectModel(table, grid)
+    return {f: [m.effect({f: v}, {f: m.values[f][0]}) for v in m.values[f]] for f in m.names}
+
+
+def interaction(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels], a: str, b: str) -> list[Effect]:
+    """Cells of factors a x b (model with their interaction), each with its interaction term and 95% CI."""
+    m = EffectModel(table, grid, (a, b))
     out = []
-    for key, seeds in per.items():
-        means = [sum(vs) / len(vs) for vs in seeds.values()]
-        out.append(Effect(key, sum(means) / len(means), *t_interval(means), len(means)))
+    for x in m.values[a]:
+        for y in m.values[b]:
+            e = m.effect({a: x, b: y})
+            e.interaction = m.fit.estimate(m.mean_of({a: x, b: y}) - m.mean_of({a: x}) - m.mean_of({b: y})
+                                           + m.mean_of({}))
+            out.append(e)
     return out
 
 
-def interaction(table: list[tuple[Levels, dict[int, float]]], a: str, b: str) -> list[Effect]:
-    """Cells of factors a x b, each with its interaction term."""
-    cells = marginal(table, (a, b))
-    mean = {c.levels: c.mean for c in cells}
-    rows = {x for x, _ in mean}
-    cols = {y for _, y in mean}
-    if len(mean) == len(rows) * len(cols):  # a complete two-way table
-        grand = sum(mean.values()) / len(mean)
-        row_mean = {x: sum(mean[x, y] for y in cols) / len(cols) for x in rows}
-        col_mean = {y: sum(mean[x, y] for x in rows) / len(rows) for y in cols}
-        for c in cells:
-            x, y = c.levels
-            c.interaction = c.mean - row_mean[x] - col_mean[y] + grand
-    return cells
-
-
-def fmt_effect(e: Effect, d: int) -> str:
-    ci = f"[{e.low:.{d}f}, {e.high:.{d}f}]" if e.n_seeds > 1 else "(1 seed: no CI)"
-    return f"{e.mean:.{d}f} {ci}"
+def fmt_ci(value: float, low: float, high: float, d: int, sign: str = "") -> str:
+    if math.isnan(value):
+        return "not estimable (no finished trial there)"
+    ci = "(no residual df: no CI)" if math.isnan(low) else f"[{low:{sign}.{d}f}, {high:{sign}.{d}f}]"
+    return f"{value:{sign}.{d}f} {ci}"
 
 
 def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir: Path | None = None
@@ -107,23 +156,28 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
     if pair is not None and any(p not in names for p in pair):
         raise ValueError(f"--pair {' '.join(pair)}: the factors of {h.spec.name} are {', '.join(names)}")
     d = digits(rows[0].mean)
-    main = {f: marginal(table, (f,)) for f in names}
+    grid = [levels_of(v.levels) for v in h.spec.variants()]
+    main = main_effects(table, grid)
+    trials = sum(len(values) for _, values in table)
     lines = [f"{h.spec.name}: main effects on {h.spec.metric} ({h.spec.direction} is better): each value averaged "
-             "over the other factors, 95% CI over seeds"]
+             f"over the other factors and the seeds, from a linear model (factors + seed) fitted to {trials} "
+             "finished trial(s); 95% CI on its residual degrees of freedom"]
+    holes = missing_cells(h, table)
+    if holes:
+        lines.append(f"missing cells ({len(holes)}), filled by the model: " + ", ".join(holes))
     for f, effects in main.items():
         lines.append(f"\n{f}")
         width = max(len(e.levels[0]) for e in effects)
         for e in effects:
-            gap = e.mean - effects[0].mean
-            lines.append(f"  {e.levels[0]:<{width}}  {fmt_effect(e, d)}"
-                         + (f"  ({gap:+.{d}f} vs {effects[0].levels[0]})" if e is not effects[0] else ""))
-    cells = interaction(table, *pair) if pair else []
+            gap = f"  ({fmt_ci(*e.vs_first, d, '+')} vs {effects[0].levels[0]})" if e.vs_first else ""
+            lines.append(f"  {e.levels[0]:<{width}}  {fmt_ci(e.mean, e.low, e.high, d)}{gap}")
+    cells = interaction(table, grid, *pair) if pair else []
     if pair:
         lines.append(f"\ninteraction {pair[0]} x {pair[1]}: mean [95% CI]; interaction term = cell - row mean - "
-                     "column mean + grand mean")
+                     "column mean + grand mean [95% CI]")
         for c in cells:
-            term = "" if c.interaction is None else f"  interaction {c.interaction:+.{d}f}"
-            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_effect(c, d)}{term}")
+            term = f"  interaction {fmt_ci(*c.interaction, d, '+')}" if c.interaction else ""
+            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_ci(c.mean, c.low, c.high, d)}{term}")
     else:
         lines.append("\n(one factor: no interaction)")
     out_dir = Path(out_dir or h.dir)
@@ -131,12 +185,14 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
     paths = [out_dir / "effects.csv", out_dir / "effects.png"]
     with open(paths[0], "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
-        w.writerow(["factor", "level", "mean", "ci_low", "ci_high", "n_seeds", "interaction"])
+        w.writerow(["factor", "level", "mean", "ci_low", "ci_high", "n_seeds", "delta_vs_first", "delta_ci_low",
+                    "delta_ci_high", "interaction", "interaction_ci_low", "interaction_ci_high"])
         for f, effects in main.items():
-            w.writerows([f, e.levels[0], e.mean, e.low, e.high, e.n_seeds, ""] for e in effects)
+            w.writerows([f, e.levels[0], e.mean, e.low, e.high, e.n_seeds, *(e.vs_first or ("", "", "")), "", "", ""]
+                        for e in effects)
         for c in cells:
-            w.writerow([" x ".join(pair), " x ".join(c.levels), c.mean, c.low, c.high, c.n_seeds,
-                        "" if c.interaction is None else c.interaction])
+            w.writerow([" x ".join(pair), " x ".join(c.levels), c.mean, c.low, c.high, c.n_seeds, "", "", "",
+                        *(c.interaction or ("", "", ""))])
     plot_effects(paths[1], h, main, pair, cells)
     return "\n".join(lines), paths
 
@@ -150,8 +206,8 @@ def plot_effects(path: Path, h: StudyHandle, main: dict[str, list[Effect]], pair
     for ax, (f, effects) in zip(axes, main.items(), strict=False):
         xs = range(len(effects))
         ax.errorbar(xs, [e.mean for e in effects], capsize=4, fmt="o-",
-                    yerr=[[e.mean - e.low if e.n_seeds > 1 else 0 for e in effects],
-                          [e.high - e.mean if e.n_seeds > 1 else 0 for e in effects]])
+                    yerr=[[0 if math.isnan(e.low) else e.mean - e.low for e in effects],
+                          [0 if math.isnan(e.high) else e.high - e.mean for e in effects]])
         ax.set_xticks(list(xs), [e.levels[0] for e in effects], rotation=30, fontsize=8)
         ax.set_title(f, fontsize=9)
         ax.grid(alpha=0.3)

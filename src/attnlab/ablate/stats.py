@@ -14,6 +14,9 @@
   of the difference of the means on Welch-Satterthwaite's degrees of freedom (scipy.stats.ttest_ind); a mean's
   CI is a t interval.
 - Several rows against one baseline: Holm's step-down correction (Holm 1979), when the file asks for it.
+- Main effects and interactions of a grid (effects.py): ordinary least squares of the metric on the factors and
+  the seed (a fixed effect), and the estimated marginal means of that model (Searle, Speed & Milliken 1980,
+  "Population marginal means in the linear model"), with t intervals on the residual degrees of freedom.
 """
 
 from __future__ import annotations
@@ -141,6 +144,37 @@ def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, 
     p_value, low, high = welch([scores[0][s] for s in seeds], [scores[1][s] for s in seeds])
     return Comparison("Welch over seed scores", p_value, low, high, {s: e[0] for s, e in each.items()},
                       {s: e[1:] for s, e in each.items()}, seeds)
+
+
+@dataclass
+class LinearFit:
+    """y ~ X by ordinary least squares, for estimating linear combinations c·beta with t intervals."""
+
+    beta: np.ndarray  # (p,) a least-squares solution (X may be rank deficient)
+    xtx_pinv: np.ndarray  # (p, p) pseudo-inverse of X'X
+    row_space: np.ndarray  # (p, p) projection onto X's row space: c is estimable iff c @ row_space == c
+    sigma2: float  # residual variance, NaN without residual degrees of freedom
+    df: int  # residual degrees of freedom: observations - rank(X)
+
+    def estimate(self, c: np.ndarray, level: float = 0.95) -> tuple[float, float, float] | None:
+        """(c·beta, CI low, CI high); None when c·beta is not estimable (the data cannot tell it, e.g. a cell with
+        no observation in a model with that cell's interaction); NaN bounds without residual df."""
+        if not np.allclose(c @ self.row_space, c, atol=1e-9):
+            return None
+        value = float(c @ self.beta)
+        if self.df <= 0:
+            return value, math.nan, math.nan
+        half = stats.t.ppf(0.5 + level / 2, self.df) * math.sqrt(max(self.sigma2 * float(c @ self.xtx_pinv @ c), 0))
+        return value, value - half, value + half
+
+
+def fit_linear(x: np.ndarray, y: np.ndarray) -> LinearFit:
+    """OLS of y (n,) on the design x (n, p)."""
+    beta, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)  # (p,)
+    df = len(y) - int(rank)
+    resid = y - x @ beta  # (n,)
+    sigma2 = float(resid @ resid / df) if df > 0 else math.nan
+    return LinearFit(beta, np.linalg.pinv(x.T @ x), np.linalg.pinv(x) @ x, sigma2, df)
 
 
 def version() -> str:
