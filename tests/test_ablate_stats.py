@@ -19,7 +19,7 @@ from sacrebleu.metrics import BLEU
 from scipy import stats
 
 from attnlab.ablate.final import read_lines, write_lines
-from attnlab.ablate.stats import bootstrap_rows, holm, paired_bootstrap, t_interval, welch
+from attnlab.ablate.stats import bootstrap_rows, holm, paired_bootstrap, rank_intervals, t_interval, welch
 from conftest import make_pairs
 
 REFS = [de for _, de in make_pairs(150, seed=3)]
@@ -232,3 +232,35 @@ def test_seed_level_test_power_at_1_5_bleu_with_5_seeds():
     assert 0.18 <= (p < 0.05).mean() <= 0.4 and covered.mean() >= 0.93
     p, _ = seed_welch_p(null_study(rng, 400, 5, 0.0, effect=1.5), effect=1.5)
     assert (p < 0.05).mean() >= 0.9
+
+
+def test_rank_intervals_resample_each_studys_seeds():
+    """By hand from the same draws: each study's seeds drawn with replacement (a's indices, then b's), each
+    variant scored by its mean over the drawn seeds it has, scipy's tau-b and rho, their 2.5th and 97.5th
+    percentiles. Seeds that agree give a point; seed noise larger than the gaps gives a wide interval around 0;
+    one seed in each study gives none."""
+    rng = np.random.default_rng(0)
+    truth = np.array([1.0, 2.0, 2.0, 4.0, 3.0, 6.0])  # a tie and a non-monotone order
+    a = truth[:, None] + rng.normal(0, 0.8, (6, 3))  # (variants, seeds)
+    b = truth[::-1, None] * 0.5 + rng.normal(0, 0.8, (6, 2))
+    a[2, 1] = np.nan  # a variant without one seed
+    ci = rank_intervals(a, b, 300, 4)
+    draws = np.random.default_rng(4)
+    ia, ib = draws.integers(0, 3, (300, 3)), draws.integers(0, 2, (300, 2))
+    taus, rhos = [], []
+    for i, j in zip(ia, ib, strict=True):
+        x = [np.nanmean(a[v, i]) for v in range(6)]
+        y = [b[v, j].mean() for v in range(6)]
+        if not np.isnan(x).any():
+            taus.append(stats.kendalltau(x, y).statistic)
+            rhos.append(stats.spearmanr(x, y).statistic)
+    assert len(taus) < 300  # the resamples that drew only a[2]'s missing seed were left out
+    assert ci["tau"] == pytest.approx(tuple(np.nanquantile(taus, [0.025, 0.975])))
+    assert ci["rho"] == pytest.approx(tuple(np.nanquantile(rhos, [0.025, 0.975])))
+    same = np.repeat(truth[:, None], 3, 1)
+    point = stats.kendalltau(truth, truth[::-1]).statistic
+    assert rank_intervals(same, same[::-1], 200, 1)["tau"] == pytest.approx((point, point))
+    noisy = rank_intervals(truth[:, None] + rng.normal(0, 20, (6, 5)), truth[:, None] + rng.normal(0, 20, (6, 5)),
+                           300, 2)
+    assert noisy["tau"][0] < 0 < noisy["tau"][1] and noisy["rho"][1] - noisy["rho"][0] > 1
+    assert rank_intervals(a[:, :1], b[:, :1], 100, 1) is None

@@ -16,7 +16,8 @@ Transfer between studies (Narang et al. 2021, "Do Transformer Modifications Tran
 Applications?"): the variants present in both studies are joined on the config fields both of them vary (each
 study's other factors averaged over; on the variant names when they share none), printed side by side, and the
 rank correlation of their scores, Kendall's tau and Spearman's rho, with exact permutation p-values up to 8
-variants and none under 5 (`stats.rank_correlation`). Each study's
+variants and none under 5 (`stats.rank_correlation`), and 95% percentile intervals from resampling each study's
+seeds (`stats.rank_intervals`). Each study's
 scores are oriented so that higher is better before ranking (BLEU against loss correlates positively when the
 same variants win).
 """
@@ -33,7 +34,7 @@ from matplotlib.figure import Figure
 
 from .report import Row, collect_rows, digits
 from .spec import fmt
-from .stats import fit_linear, rank_correlation
+from .stats import fit_linear, rank_correlation, rank_intervals
 from .study import StudyHandle
 
 Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "variant": "(A) h=1"}
@@ -232,10 +233,10 @@ def varied(h: StudyHandle) -> list[str]:
     return list(dict.fromkeys(k for v in h.spec.variants() for k in v.overrides))
 
 
-def joined_scores(h: StudyHandle, rows: list[Row], keys: list[str]) -> dict[str, float]:
-    """Each variant's score by its values of `keys` (from the config it trained with), averaged over the rows that
-    share them; by variant name when `keys` is empty."""
-    groups: dict[str, list[float]] = {}
+def joined_scores(h: StudyHandle, rows: list[Row], keys: list[str]) -> dict[str, dict[int, float]]:
+    """Each variant's score per seed by its values of `keys` (from the config it trained with), averaged over the
+    rows that share them; by variant name when `keys` is empty."""
+    groups: dict[str, dict[int, list[float]]] = {}
     for r in rows:
         config = r.trials[0].user_attrs.get("config") or {}
         if keys:
@@ -243,12 +244,21 @@ def joined_scores(h: StudyHandle, rows: list[Row], keys: list[str]) -> dict[str,
                              for k in keys)
         else:
             name = r.variant
-        groups.setdefault(name, []).append(r.mean)
-    return {k: sum(v) / len(v) for k, v in groups.items()}
+        for seed, v in r.by_seed.items():
+            groups.setdefault(name, {}).setdefault(seed, []).append(v)
+    return {k: {s: sum(v) / len(v) for s, v in by_seed.items()} for k, by_seed in groups.items()}
+
+
+def oriented(h: StudyHandle, scores: dict[str, dict[int, float]], names: list[str]) -> np.ndarray:
+    """(variants, seeds) of `names`' scores, NaN where a variant lacks a seed, signed so that higher is better."""
+    seeds = sorted({s for n in names for s in scores[n]})
+    sign = 1.0 if h.spec.direction == "max" else -1.0
+    return np.array([[sign * scores[n].get(s, math.nan) for s in seeds] for n in names])
 
 
 def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
-    """The side-by-side table of the variants in both studies and the rank correlation of their scores."""
+    """The side-by-side table of the variants in both studies and the rank correlation of their scores, with
+    95% intervals over each study's seeds (stats.rank_intervals)."""
     keys = [k for k in varied(a) if k in set(varied(b))]
     sa, sb = joined_scores(a, collect_rows(a, tests=False)[0], keys), \
         joined_scores(b, collect_rows(b, tests=False)[0], keys)
@@ -258,22 +268,32 @@ def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
     if not shared:
         return "\n".join(lines)
     # oriented: higher is better in both, so that rank 1 is each study's best
-    xa = {k: (1.0 if a.spec.direction == "max" else -1.0) * sa[k] for k in shared}
-    xb = {k: (1.0 if b.spec.direction == "max" else -1.0) * sb[k] for k in shared}
-    ra, rb = ({k: i + 1 for i, k in enumerate(sorted(shared, key=lambda k, x=x: -x[k]))} for x in (xa, xb))
+    va, vb = oriented(a, sa, shared), oriented(b, sb, shared)  # (variants, seeds) each
+    ma, mb = np.nanmean(va, axis=1), np.nanmean(vb, axis=1)  # (variants,)
+    sign_a, sign_b = (1.0 if h.spec.direction == "max" else -1.0 for h in (a, b))
+    ra, rb = ({k: i + 1 for i, k in enumerate(sorted(shared, key=lambda k, m=m: -m[shared.index(k)]))}
+              for m in (ma, mb))
     head = [f"{h.spec.name}: {h.spec.metric} {'↑' if h.spec.direction == 'max' else '↓'} | rank" for h in (a, b)]
     lines += ["", f"| variant | {head[0]} | {head[1]} |", "|---|---:|---:|---:|---:|"]
     for k in sorted(shared, key=lambda k: ra[k]):
-        lines.append(f"| {k} | {sa[k]:.{digits(sa[k])}f} | {ra[k]} | {sb[k]:.{digits(sb[k])}f} | {rb[k]} |")
+        x, y = sign_a * ma[shared.index(k)], sign_b * mb[shared.index(k)]
+        lines.append(f"| {k} | {x:.{digits(x)}f} | {ra[k]} | {y:.{digits(y)}f} | {rb[k]} |")
     if len(shared) < 3:
         lines.append(f"\n{len(shared)} shared variant(s): too few for a rank correlation")
         return "\n".join(lines)
-    r = rank_correlation([xa[k] for k in shared], [xb[k] for k in shared])
-    if r["why"]:
-        lines.append(f"\nKendall's tau = {r['tau']:+.3f}, Spearman's rho = {r['rho']:+.3f}, n = {r['n']}: {r['why']}")
-    else:
-        lines.append(f"\nKendall's tau = {r['tau']:+.3f} (p = {r['tau_p']:.3g}), Spearman's rho = {r['rho']:+.3f} "
-                     f"(p = {r['rho_p']:.3g}), n = {r['n']}; {r['p_method']}")
-    lines.append("scores oriented so that higher is better in both")
-    return "\n".join(lines)
+    r = rank_correlation(ma, mb)
+    sig = a.spec.significance
+    ci = rank_intervals(va, vb, sig["resamples"], sig["seed"])
 
+    def stat(name: str, p: float | None) -> str:
+        out = f"{r[name]:+.3f}"
+        if ci is not None:
+            out += f" [95% CI {ci[name][0]:+.2f}, {ci[name][1]:+.2f}]"
+        return out + (f" (p = {p:.3g})" if p is not None else "")
+
+    lines.append(f"\nKendall's tau = {stat('tau', r['tau_p'])}, Spearman's rho = {stat('rho', r['rho_p'])}, "
+                 f"n = {r['n']}" + (f": {r['why']}" if r["why"] else f"; {r['p_method']}"))
+    lines.append("scores oriented so that higher is better in both; " + (
+        f"CIs: percentile intervals over {sig['resamples']} resamples of each study's seeds" if ci is not None
+        else "no CI: each study has 1 seed"))
+    return "\n".join(lines)

@@ -186,6 +186,32 @@ MIN_RANKED = 5  # fewer shared variants: no p-value (3 or 4 items cannot reach p
 EXACT_UP_TO = 8  # every permutation (8! = 40,320) up to this many items; scipy's asymptotic p-values above
 
 
+def rank_intervals(a: np.ndarray, b: np.ndarray, resamples: int, seed: int, level: float = 0.95
+                   ) -> dict[str, tuple[float, float]] | None:
+    """Percentile intervals of Kendall's tau-b and Spearman's rho between two studies' variant scores, over their
+    seeds: `a` (variants, seeds of study a) and `b` (variants, seeds of study b), NaN where a variant lacks a
+    seed. Each resample draws each study's seeds with replacement (`default_rng(seed)`: a's indices (resamples,
+    seeds of a), then b's), scores every variant by its mean over the drawn seeds it has, and ranks them; a
+    resample in which some variant has none of the drawn seeds is left out. None when neither study has 2 seeds
+    (no seed noise to resample)."""
+    if a.shape[1] < 2 and b.shape[1] < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    idx_a, idx_b = rng.integers(0, a.shape[1], (resamples, a.shape[1])), rng.integers(0, b.shape[1],
+                                                                                      (resamples, b.shape[1]))
+    taus, rhos = [], []
+    with np.errstate(all="ignore"):  # all-NaN slices are the resamples left out
+        xs, ys = np.nanmean(a[:, idx_a], axis=2), np.nanmean(b[:, idx_b], axis=2)  # (variants, resamples) each
+    for x, y in zip(xs.T, ys.T, strict=True):
+        if np.isnan(x).any() or np.isnan(y).any():
+            continue
+        taus.append(stats.kendalltau(x, y).statistic)  # NaN where a resample ties every variant
+        rhos.append(stats.spearmanr(x, y).statistic)
+    q = [(1 - level) / 2, (1 + level) / 2]
+    return {"tau": tuple(float(v) for v in np.nanquantile(taus, q)),
+            "rho": tuple(float(v) for v in np.nanquantile(rhos, q))}
+
+
 def rank_correlation(x: Sequence[float], y: Sequence[float]) -> dict:
     """Kendall's tau-b and Spearman's rho of the paired scores x, y, each with a two-sided p-value. Up to EXACT_UP_TO
     items the p-values are exact permutation ones (the share of the n! orders of y whose |statistic| reaches the
