@@ -369,3 +369,37 @@ def test_the_footnote_says_which_row_became_the_baseline_and_why(tmp_path, capsy
         line = next(x for x in out.splitlines() if x.startswith(f"| {baseline} |"))
         assert "| baseline |" in line and (note in out if note else "Baseline:" not in out), out
         assert ("Holm-corrected" if note else "not corrected for multiple comparisons") in out
+
+
+def test_a_translation_study_is_scored_by_final_test_bleu_and_rows_scored_another_way_are_refused(tmp_path, capsys):
+    """No metric: key: a translation study's metric is the final test BLEU with chrF beside it (a language
+    model's stays val/loss). A row whose trials' sacreBLEU signature differs from the baseline's (another
+    tokenizer) gets no test, and the table says why."""
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "mt.yaml").write_text(tiny_mt(tmp_path), encoding="utf-8")
+    (tmp_path / "experiments" / "lm.yaml").write_text(TINY_LM, encoding="utf-8")
+    (tmp_path / "ablations").mkdir()
+    path = tmp_path / "ablations" / "mt.yaml"
+    path.write_text("base: ../experiments/mt.yaml\nseeds: [1, 2]\nsignificance: {resamples: 100}\n"
+                    "axes:\n  model.ffn: [relu, swiglu]\n", encoding="utf-8")
+    spec = load_spec(path)
+    assert (spec.metric, spec.direction) == ("final/test_bleu", "max")
+    assert [(c.label, c.source) for c in spec.columns][:2] == [("", "metric"), ("chrF", "final/test_chrf")]
+    (tmp_path / "ablations" / "lm.yaml").write_text("base: ../experiments/lm.yaml\naxes:\n  model.ffn: [relu, gelu]\n",
+                                                    encoding="utf-8")
+    assert load_spec(tmp_path / "ablations" / "lm.yaml").metric == "val/loss"
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit) == {"done": 4}
+    h = connect(spec, tmp_path / "study")
+    assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
+    out = capsys.readouterr().out
+    assert "| final/test_bleu ↑ | n | Δ vs baseline | p | 95% CI of Δ | chrF |" in out
+    assert re.search(r"\| ffn=swiglu \| [0-9.]+ ± [0-9.]+ \| 2 \| \+[0-9.]+ \| [0-9.e-]+\*? \(n=2\) \|", out), out
+    swiglu = next(t for t in h.study.get_trials() if t.user_attrs["variant"] == "ffn=swiglu")
+    other = {**swiglu.user_attrs["final"]}
+    other["bleu_signature"] = other["bleu_signature"].replace("tok:13a", "tok:intl")
+    h.study.set_user_attr(f"final:{swiglu.number}", other)
+    assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
+    out = capsys.readouterr().out
+    assert "| none: sacreBLEU signatures differ |" in out
+    assert re.search(r"ffn=swiglu: not compared with the baseline: its sacreBLEU signature\(s\) .*tok:13a.* ; "
+                     r".*tok:intl.* differ from the baseline's .*tok:13a", out), out

@@ -130,7 +130,8 @@ def fake_evaluate(exp, run_dir):
         hyps = fake_hypotheses(refs, fake_drop(exp), rng)
         write_lines(eval_dir / f"{split}.hyp", hyps)
         write_lines(eval_dir / f"{split}.ref", refs)
-        scores = score(hyps, refs)
+        scores = score(hyps, refs, exp.data.tgt_lang)
+        out.update({"bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"]})
         out.update({f"{split}_bleu": scores["bleu"], f"{split}_chrf": scores["chrf"],
                     f"{split}_loss": fake_metric(exp) + (split == "test"), f"{split}_ppl": 2.0 ** fake_metric(exp)})
     return out

@@ -69,7 +69,8 @@ def test_every_shipped_study_loads_and_every_variant_is_a_valid_config(path, tmp
 
 def test_block_variants_and_table3_shapes(tmp_path):
     block = load_spec(layout(tmp_path, ROOT / "ablations" / "block_variants.yaml"))
-    assert (len(block.variants()), len(block.points()), block.metric, block.direction) == (64, 128, "val/bleu", "max")
+    assert (len(block.variants()), len(block.points()), block.metric, block.direction) == (
+        64, 128, "final/test_bleu", "max")
     assert list(block.axes) == ["model.norm", "model.norm_position", "model.ffn", "model.block", "model.qk_norm"]
     table3 = load_spec(layout(tmp_path, ROOT / "ablations" / "vaswani_table3.yaml"))
     names = [v.name for v in table3.variants()]

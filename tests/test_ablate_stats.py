@@ -19,7 +19,7 @@ from sacrebleu.metrics import BLEU
 from scipy import stats
 
 from attnlab.ablate.final import read_lines, write_lines
-from attnlab.ablate.stats import bootstrap_rows, holm, paired_bootstrap, rank_intervals, t_interval, welch
+from attnlab.ablate.stats import bootstrap_rows, corpus_score, holm, paired_bootstrap, rank_intervals, t_interval, welch
 from conftest import make_pairs
 
 REFS = [de for _, de in make_pairs(150, seed=3)]
@@ -264,3 +264,19 @@ def test_rank_intervals_resample_each_studys_seeds():
                            300, 2)
     assert noisy["tau"][0] < 0 < noisy["tau"][1] and noisy["rho"][1] - noisy["rho"][0] > 1
     assert rank_intervals(a[:, :1], b[:, :1], 100, 1) is None
+
+
+def test_resampling_scores_with_the_tokenizer_of_the_final_evaluations_signature():
+    """Chinese text: BLEU with sacreBLEU's zh tokenizer (what `-l en-zh` and a zh recipe pick) differs from 13a;
+    the table's scores take the tokenizer from the stored signature."""
+    refs = ["我们今天去公园散步。", "这个文件不存在。", "请输入你的密码。"] * 10
+    hyps = ["我们今天去公园。", "这个文件不存在。", "请输入密码。"] * 10
+    zh = sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh").score
+    assert zh != pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    bleu = sacrebleu.BLEU(tokenize="zh")
+    bleu.corpus_score(hyps, [refs])
+    signature = str(bleu.get_signature())
+    assert "tok:zh" in signature
+    assert corpus_score(hyps, refs, "bleu", signature) == pytest.approx(zh)
+    p, _, _ = paired_bootstrap(refs, hyps, refs, "bleu", 50, 1, signature)
+    assert p < 0.05

@@ -331,7 +331,12 @@ def test_test_validate_demo_and_the_final_evaluation_decode_on_cuda_in_bf16_when
     for command in ("test", "validate"):
         assert main([command, "-c", str(runs["recipe"]), "--model.norm", "rmsnorm", "--ckpt", last]) == 0
     assert main(["demo", "-c", str(runs["recipe"]), "--model.norm", "rmsnorm"]) == 0
-    final.evaluate_run(load_experiment(runs["mt"] / "config.yaml"), runs["mt"])
+    langs: list[str] = []  # the final evaluation scores with sacreBLEU's tokenizer for the target language
+    real_score = final.score
+    monkeypatch.setattr(final, "score", lambda h, r, tgt_lang="": langs.append(tgt_lang) or real_score(h, r, tgt_lang))
+    exp = load_experiment(runs["mt"] / "config.yaml")
+    final.evaluate_run(exp, runs["mt"])
+    assert langs == [exp.data.tgt_lang] * len(final.SPLITS) and exp.data.tgt_lang
     assert seen == [(torch.device("cuda"), torch.bfloat16)] * (3 + len(final.SPLITS))
     assert trainers[:2] == [("gpu", [0])] * 2 and trainers[2][0] == "auto"  # the final evaluation: auto picks it
     capsys.readouterr()

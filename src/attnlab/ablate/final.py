@@ -89,7 +89,7 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
             hyps, refs = [one_line(h) for h in hyps], [one_line(r) for r in refs]
             write_lines(eval_dir / f"{split}.hyp", hyps)
             write_lines(eval_dir / f"{split}.ref", refs)
-            scores = score(hyps, refs)
+            scores = score(hyps, refs, exp.data.tgt_lang)  # sacreBLEU's tokenizer for the target language
             out[f"{split}_bleu"], out[f"{split}_chrf"] = scores["bleu"], scores["chrf"]
             out["bleu_signature"], out["chrf_signature"] = scores["bleu_signature"], scores["chrf_signature"]
         out["beam"] = exp.decode.beam

@@ -46,6 +46,7 @@ class Row:
     significant: bool = False
     cells: dict[str, Any] = field(default_factory=dict)  # column source -> value (mean over seeds)
     baseline_seeds: list[int] = field(default_factory=list)  # the baseline row's seeds (compare sets them)
+    refused: str = ""  # why the row is not compared with the baseline (its sacreBLEU signature differs)
 
     @property
     def seeds(self) -> list[int]:
@@ -112,6 +113,7 @@ def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[st
     base_row = next((r for r in rows if r.baseline), None)
     if base_row is not None and tests:
         compare(h, rows, base_row)
+        notes += [f"{r.variant}: not compared with the baseline: {r.refused}" for r in rows if r.refused]
     if len(rows) > 1 and all(v == 0 for r in rows for v in r.values):  # a budget too short to score: BLEU 0
         for r in rows:
             r.significant = False
@@ -157,17 +159,24 @@ def compare(h: StudyHandle, rows: list[Row], base: Row) -> None:
     if score in ("bleu", "chrf"):
         texts = {r.key: {t.user_attrs.get("seed", 0): hypotheses(t, final.group(1), attrs) for t in r.trials}
                  for r in rows}
+    signatures = {r.key: sorted({final_scores(t, attrs).get(f"{score}_signature", "") for t in r.trials})
+                  for r in rows} if score in ("bleu", "chrf") else {}
     for r in rows:
         r.baseline_seeds = base.seeds
         shared = sorted(set(r.seeds) & set(base.seeds))
         if r is base or not shared:
             r.delta = r.mean - base.mean
             continue
+        if signatures and (len(signatures[r.key]) > 1 or signatures[r.key] != signatures[base.key]):
+            r.refused = (f"its sacreBLEU signature(s) {' ; '.join(signatures[r.key])} differ from the baseline's "
+                         f"{' ; '.join(signatures[base.key])} (scores made another way are not comparable)")
+            continue
         values, base_values = [r.by_seed[s] for s in shared], [base.by_seed[s] for s in shared]
         r.delta = sum(values) / len(shared) - sum(base_values) / len(shared)
         pairs = texts.get(r.key, {})
         if pairs and all(pairs.values()) and all(texts[base.key].values()):
-            r.comparison = bootstrap_rows(texts[base.key], pairs, score, sig["resamples"], sig["seed"])
+            r.comparison = bootstrap_rows(texts[base.key], pairs, score, sig["resamples"], sig["seed"],
+                                          signatures[r.key][0])
         else:
             p, low, high = welch(base_values, values)
             r.comparison = Comparison("Welch", p, low, high, seeds=tuple(shared)) if not math.isnan(p) else None
@@ -262,6 +271,8 @@ def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
     shared = len(set(r.seeds) & set(r.baseline_seeds))
     if c is not None:
         out.append(f"{c.p_value:.3g}" + ("*" if r.significant else "") + f" (n={len(c.seeds)})")
+    elif r.refused:
+        out.append("none: sacreBLEU signatures differ")
     else:
         out.append("" if r.baseline else f"none: {shared} shared seed{'s' * (shared != 1)}, a test needs 2")
     out.append("" if c is None else f"[{c.ci_low:+.{d}f}, {c.ci_high:+.{d}f}]")

@@ -3,7 +3,9 @@ search), seeds, the metric and its direction, the budget and resources of one tr
 
     name: block_variants                      # default: the file's stem
     base: ../experiments/demo_en_de.yaml      # relative to this file
-    metric: {name: final/valid_bleu, direction: max}   # or the last value of a curve: val/bleu, val/loss, ...
+    metric: {name: final/test_bleu, direction: max}    # or the last value of a curve: val/bleu, val/loss, ...
+                                              # default: final/test_bleu for translation (beam search on
+                                              # the averaged checkpoint, chrF beside it), else val/loss
     seeds: [1, 2]                             # or a count: 2 means [1, 2]
     budget: {steps: 2000}                     # trainer.max_steps and the schedule's optim.max_steps;
                                               # {time_min: 30} sets trainer.max_time_min (a cosine or wsd
@@ -296,15 +298,17 @@ def load_spec(path: str | Path) -> AblationSpec:
     base = (path.parent / str(raw["base"])).resolve()
     _need(base.exists(), f"{src}: base: {raw['base']} not found (looked for {base})")
 
-    metric = raw.get("metric", {"name": "val/loss", "direction": "min"})
+    final_eval = raw.get("final_eval", True)
+    _need(isinstance(final_eval, bool), f"{src}: final_eval={final_eval!r} must be true or false")
+    arch = _base_raw(base).get("model", {}).get("arch", "encoder_decoder")
+    translation = arch == "encoder_decoder" and final_eval  # what counts: the final test BLEU, chrF beside it
+    metric = raw.get("metric", {"name": "final/test_bleu" if translation else "val/loss"})
     if isinstance(metric, str):
         metric = {"name": metric}
     _need(isinstance(metric, dict) and set(metric) <= {"name", "direction"} and "name" in metric,
           f"{src}: metric: expected {{name: val/bleu, direction: max}}, got {metric!r}")
     direction = metric.get("direction", "max" if str(metric["name"]).endswith(("bleu", "chrf")) else "min")
     _need(direction in ("max", "min"), f"{src}: metric.direction={direction!r} is not one of: max, min")
-    final_eval = raw.get("final_eval", True)
-    _need(isinstance(final_eval, bool), f"{src}: final_eval={final_eval!r} must be true or false")
     check_metric(str(metric["name"]), final_eval, f"{src}: metric")
 
     seeds = raw.get("seeds", [1])
@@ -359,9 +363,11 @@ def load_spec(path: str | Path) -> AblationSpec:
     else:
         _need(not dists and "n_trials" not in raw, f"{src}: distributions:/n_trials: need search: optuna")
         _need(bool(axes or variant_list), f"{src}: nothing varies: give axes:, variants:, or search: optuna")
-    columns = parse_columns(raw.get("columns", list(DEFAULT_COLUMNS)), final_eval, src)
+    default_columns = list(DEFAULT_COLUMNS)
+    if translation and str(metric["name"]) == "final/test_bleu":
+        default_columns.insert(1, {"chrF": "final/test_chrf"})
+    columns = parse_columns(raw.get("columns", default_columns), final_eval, src)
     significance = parse_significance(raw.get("significance"), src)
-    arch = _base_raw(base).get("model", {}).get("arch", "encoder_decoder")
     for name in [str(metric["name"]), *(c.source for c in columns if c.kind == "metric")]:
         _need(arch == "encoder_decoder" or not name.endswith(("bleu", "chrf")),
               f"{src}: {name} is scored for translation experiments only; base {raw['base']} has model.arch={arch}")

@@ -34,7 +34,14 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest, _bootstrap_resample
 from scipy import stats
 
-SCORERS = {"bleu": BLEU, "chrf": CHRF}
+
+def scorer(metric: str, signature: str = "") -> BLEU | CHRF:
+    """sacreBLEU's BLEU or chrF as the final evaluation's `signature` says: BLEU with the tokenizer of its `tok:`
+    field (the one the target language picked, bleu.sacrebleu_bleu), so that resampling scores as it did."""
+    if metric == "chrf":
+        return CHRF()
+    tok = dict(f.split(":", 1) for f in signature.split("|") if ":" in f).get("tok")
+    return BLEU(tokenize=tok) if tok else BLEU()
 
 
 @dataclass
@@ -66,7 +73,7 @@ def sacrebleu_seed(seed: int) -> Iterator[None]:
 
 
 def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequence[str], metric: str,
-                     resamples: int, seed: int) -> tuple[float, float, float]:
+                     resamples: int, seed: int, signature: str = "") -> tuple[float, float, float]:
     """(p-value, CI low, CI high) of metric(hyps) - metric(base_hyps) by sacreBLEU's paired bootstrap. The CI is
     the percentile interval (Efron & Tibshirani 1993, ch. 13): the 2.5th and 97.5th percentiles (numpy's linear
     interpolation) of the resampled differences, both systems scored on the same resampled sentences (sacreBLEU's
@@ -76,13 +83,13 @@ def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequen
     if not len(base_hyps) == len(hyps) == len(refs):
         raise ValueError(f"paired bootstrap needs as many segments in each: baseline {len(base_hyps)}, "
                          f"system {len(hyps)}, references {len(refs)}")
-    scorer = SCORERS[metric]
     with sacrebleu_seed(seed):
-        _, results = PairedTest([("baseline", list(base_hyps)), ("system", list(hyps))], {metric: scorer()},
-                                [list(refs)], test_type="bs", n_samples=resamples)()
+        _, results = PairedTest([("baseline", list(base_hyps)), ("system", list(hyps))],
+                                {metric: scorer(metric, signature)}, [list(refs)], test_type="bs",
+                                n_samples=resamples)()
         name = next(k for k in results if k != "System")
         p_value = float(results[name][1].p_value)
-        m = scorer()
+        m = scorer(metric, signature)
         resampled = [_bootstrap_resample(m._extract_corpus_statistics(list(h), [list(refs)]), m, resamples)[1]
                      for h in (base_hyps, hyps)]
     diffs = np.array([s.score - b.score for b, s in zip(*resampled, strict=True)])
@@ -122,13 +129,13 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return adjusted
 
 
-def corpus_score(hyps: Sequence[str], refs: Sequence[str], metric: str) -> float:
+def corpus_score(hyps: Sequence[str], refs: Sequence[str], metric: str, signature: str = "") -> float:
     """sacreBLEU's corpus BLEU or chrF of one seed's hypotheses."""
-    return float(SCORERS[metric]().corpus_score(list(hyps), [list(refs)]).score)
+    return float(scorer(metric, signature).corpus_score(list(hyps), [list(refs)]).score)
 
 
 def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, tuple[list[str], list[str]]],
-                   metric: str, resamples: int, seed: int) -> Comparison | None:
+                   metric: str, resamples: int, seed: int, signature: str = "") -> Comparison | None:
     """{seed: (hypotheses, references)} of each row. Headline: `welch` on the corpus scores of the seeds both rows
     have (None with fewer than 2: no p-value). Beside it, each shared seed's sacreBLEU paired bootstrap p-value."""
     seeds = tuple(sorted(set(base) & set(row)))
@@ -137,10 +144,11 @@ def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, 
     for s in seeds:
         if base[s][1] != row[s][1]:
             raise ValueError(f"seed {s}: the two rows' references differ; they were not scored on the same split")
-    each = {s: paired_bootstrap(base[s][0], row[s][0], row[s][1], metric, resamples, seed) for s in seeds}
+    each = {s: paired_bootstrap(base[s][0], row[s][0], row[s][1], metric, resamples, seed, signature)
+            for s in seeds}
     if len(seeds) < 2:
         return None
-    scores = [{s: corpus_score(d[s][0], d[s][1], metric) for s in seeds} for d in (base, row)]
+    scores = [{s: corpus_score(d[s][0], d[s][1], metric, signature) for s in seeds} for d in (base, row)]
     p_value, low, high = welch([scores[0][s] for s in seeds], [scores[1][s] for s in seeds])
     return Comparison("Welch over seed scores", p_value, low, high, {s: e[0] for s, e in each.items()},
                       {s: e[1:] for s, e in each.items()}, seeds)
