@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,11 @@ import torch
 from ..experiment import Experiment
 from ..models.accounting import flops_per_token, training_flops
 from ..train import prepare
+
+if TYPE_CHECKING:
+    from .spec import AblationSpec
+
+NO_HORIZON = ("noam", "inverse_sqrt")  # decay as 1/sqrt(step) whatever the budget
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,41 @@ def budget_steps(flops: float, cost: StepCost) -> int:
     return max(1, math.floor(flops / cost.flops_per_step))
 
 
-def with_flops_budget(exp: Experiment, flops: float) -> tuple[Experiment, StepCost]:
-    """The trial with trainer.max_steps (and the schedule's horizon, optim.max_steps) set to its budget's steps."""
+def with_flops_budget(exp: Experiment, flops: float, horizon: bool = True) -> tuple[Experiment, StepCost]:
+    """The trial with trainer.max_steps set to its budget's steps, and the schedule's horizon (optim.max_steps)
+    too unless the file sets it (`horizon` False), as a steps budget does (AblationSpec.trial_overrides)."""
     cost = step_cost(exp)
     steps = budget_steps(flops, cost)
-    return exp.replace(trainer=exp.trainer.replace(max_steps=steps), optim=exp.optim.replace(max_steps=steps)), cost
+    optim = exp.optim.replace(max_steps=steps) if horizon else exp.optim
+    return exp.replace(trainer=exp.trainer.replace(max_steps=steps), optim=optim), cost
+
+
+def warmup_warning(where: str, steps: int, warmup: int, what: str) -> str:
+    return (f"{where}: {what}={steps} ends inside the warmup (optim.warmup_steps={warmup}): every trial stops "
+            f"before its learning rate peaks, so variants are compared on their warmup. Fix: set optim.warmup_steps "
+            f"under overrides: well below the budget (a tenth of it, {max(1, steps // 10)}, is common), or raise "
+            f"the budget")
+
+
+def budget_warnings(spec: AblationSpec) -> list[str]:
+    """What makes a study's budget mean less than it says, for the start of `ablate run` and `submit`: a steps
+    budget that ends inside the warmup (a FLOPs budget is checked per trial, once its steps are known), and a
+    schedule that ignores the budget's horizon. One warning per problem, naming the variants it concerns when
+    not all of them."""
+    if spec.budget_steps is None and spec.budget_flops is None and spec.budget_time_min is None:
+        return []
+    found: dict[str, list[str]] = {}
+    variants = spec.variants() or [None]  # a search: its base
+    for v in variants:
+        o = spec.experiment(v.overrides if v else {}).optim
+        if spec.budget_steps is not None and o.warmup_steps >= spec.budget_steps:
+            found.setdefault(warmup_warning(str(spec.path), spec.budget_steps, o.warmup_steps, "budget.steps"),
+                             []).append(v.name if v else "")
+        if o.schedule in NO_HORIZON:
+            found.setdefault(
+                f"{spec.path}: optim.schedule={o.schedule} ignores the budget's horizon: its rate decays as "
+                "1/sqrt(step) whatever the budget, so every trial stops mid-schedule and variants are compared "
+                "before they anneal. Fix: overrides: {optim.schedule: cosine} (or wsd), which decays to the end of "
+                "the budget (optim.max_steps), with optim.lr its peak rate", []).append(v.name if v else "")
+    return [msg if len(names) == len(variants) else f"{msg} (variants: {', '.join(names)})"
+            for msg, names in found.items()]

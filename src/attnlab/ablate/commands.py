@@ -11,6 +11,7 @@ from typing import Any
 from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit
 from ..launch.slurm import add_slurm_args, slurm_status
+from .budget import budget_warnings
 from .effects import compare_studies, effects_report
 from .figures import plot
 from .final import DEFAULT_EVALUATE, evaluate_study
@@ -19,6 +20,8 @@ from .runner import options_from, run_study, work
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
 from .submit import submit_study
+
+log = logging.getLogger("attnlab.ablate")
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +106,8 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be >= 1")
         spec = load_spec(args.spec)
+        for warning in budget_warnings(spec):
+            log.warning(warning)
         gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus is not None else None
         counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, options_from(args),
                            gpus=gpus, workers_per_gpu=args.workers_per_gpu)

@@ -47,6 +47,7 @@ class Row:
     cells: dict[str, Any] = field(default_factory=dict)  # column source -> value (mean over seeds)
     baseline_seeds: list[int] = field(default_factory=list)  # the baseline row's seeds (compare sets them)
     refused: str = ""  # why the row is not compared with the baseline (its sacreBLEU signature differs)
+    short: list[str] = field(default_factory=list)  # its trials that stopped short of the study's budget
 
     @property
     def seeds(self) -> list[int]:
@@ -109,6 +110,9 @@ def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[st
         trials = [t for t, _ in pairs]
         row = Row(key, str(trials[0].user_attrs.get("variant")), trials, [v for _, v in pairs], key == baseline)
         row.cells = {c.source: column_value(row, c, attrs) for c in spec.columns if c.source != "metric"}
+        if spec.budget_steps is not None or spec.budget_flops is not None:
+            row.short = short_of_budget(trials)
+            notes += [f"{row.variant} {x}: short of its budget (†)" for x in row.short]
         rows.append(row)
     base_row = next((r for r in rows if r.baseline), None)
     if base_row is not None and tests:
@@ -123,6 +127,18 @@ def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[st
     if baseline and base_row is None and rows:
         notes.insert(0, "the baseline variant has no finished trial: no differences shown")
     return rows, notes
+
+
+def short_of_budget(trials: list[FrozenTrial]) -> list[str]:
+    """The trials that trained fewer steps than their budget gave them (trainer.max_steps of the config they
+    trained with): a time limit, a divergence stop or a crash ended them first."""
+    out = []
+    for t in trials:
+        config = t.user_attrs.get("config") or {}
+        steps, budget = t.user_attrs.get("steps"), config.get("trainer", {}).get("max_steps")
+        if steps is not None and budget and steps < budget:
+            out.append(f"(seed {t.user_attrs.get('seed', 0)}) stopped at step {steps:,} of {budget:,}")
+    return out
 
 
 def column_value(row: Row, column: Column, attrs: dict[str, Any]) -> Any:
@@ -292,7 +308,7 @@ def header(h: StudyHandle, with_test: bool) -> list[str]:
 
 
 def cells(h: StudyHandle, r: Row, with_test: bool, decimals: dict[str, int]) -> list[str]:
-    out = [r.variant]
+    out = [r.variant + (" †" if r.short else "")]
     for c in h.spec.columns:
         d = decimals.get(c.source, 2)
         out += metric_cells(r, with_test, d) if c.source == "metric" else [cell(c, r.cells.get(c.source), d)]

@@ -63,7 +63,7 @@ from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit, resolve_fi
 from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
-from .budget import StepCost, step_cost, with_flops_budget
+from .budget import StepCost, step_cost, warmup_warning, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
 from .final import DEFAULT_EVALUATE
 from .spec import AblationSpec, Variant, fmt, short_key
@@ -302,7 +302,10 @@ def trial_setup(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any],
     exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs")))
     cost = None
     if spec.budget_flops:
-        exp, cost = with_flops_budget(exp, spec.budget_flops)
+        exp, cost = with_flops_budget(exp, spec.budget_flops, "optim.max_steps" not in {**spec.overrides, **overrides})
+        if exp.trainer.max_steps <= exp.optim.warmup_steps:
+            log.warning(warmup_warning(f"{spec.path} ({exp.name})", exp.trainer.max_steps, exp.optim.warmup_steps,
+                                       f"budget.flops={spec.budget_flops:g}, i.e. trainer.max_steps"))
     return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}")), cost
 
 

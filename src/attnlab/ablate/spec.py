@@ -196,6 +196,8 @@ class AblationSpec:
         out: dict[str, Any] = {}
         if self.budget_steps is not None:
             out["optim.max_steps"] = self.budget_steps
+        if (self.budget_steps is not None or self.budget_flops is not None) and self.budget_time_min is None:
+            out["trainer.max_time_min"] = 0  # the budget, not the recipe's time limit, ends a trial
         out.update(self.overrides)
         if self.budget_steps is not None:
             out["trainer.max_steps"] = self.budget_steps

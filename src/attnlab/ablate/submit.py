@@ -13,6 +13,7 @@ submission itself are attnlab.launch.slurm's, shared with `attnlab fit --slurm`.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import shlex
 import sys
@@ -34,9 +35,12 @@ from ..launch.slurm import (
     script_values,
     snapshot_code,
 )
+from .budget import budget_warnings
 from .runner import options_from, worker_command
 from .spec import load_spec
 from .study import connect, default_study_dir, prepare_study, status_counts, storage_url
+
+log = logging.getLogger("attnlab.ablate")
 
 _FIT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -45,6 +49,8 @@ def submit_study(args: argparse.Namespace) -> int:
     """`attnlab ablate submit`: snapshot code and configs, render the worker array script, sbatch it."""
     spec = load_spec(args.spec)
     check_study_name(spec.name)
+    for warning in budget_warnings(spec):
+        log.warning(warning)
     for flag, value in (("--fit", args.fit), ("--evaluate", args.evaluate)):
         if not _FIT.match(value):
             raise ConfigError(f"{flag} {value!r}: expected module:function")
