@@ -113,8 +113,8 @@ def test_final_scores_are_stored_with_each_trial_and_the_table_shows_p_and_ci(pr
 def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch_over_seed_bleu(proof, tmp_path):
     _, spec, h = proof
     rows = {r["variant"]: r for r in csv.DictReader(open(h.dir / "table.csv", encoding="utf-8"))}
-    per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["p_per_seed"].split())
-    ci_per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["ci_per_seed"].split())
+    per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["paired_bootstrap_p_per_seed"].split())
+    ci_per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["paired_bootstrap_ci_per_seed"].split())
     files = {}
     for t in h.study.get_trials():
         eval_dir = Path(t.user_attrs["final"]["eval_dir"])

@@ -216,9 +216,9 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
     if "Welch over seed scores" in methods:
         parts.append(f"p and 95% CI of Δ for {h.spec.metric}: Welch's t-test over the seeds both rows have, on "
                      f"each seed's corpus score (sacreBLEU {version()}), so seed and sentence noise both count; "
-                     "n is the number of shared seeds. table.csv's p_per_seed: sacreBLEU's paired bootstrap of "
-                     f"each shared seed alone ({sig['resamples']} resamples, seed {sig['seed']}; sentence noise "
-                     "only), ci_per_seed its 95% percentile interval.")
+                     "n is the number of shared seeds. table.csv's paired_bootstrap_p_per_seed: sacreBLEU's paired "
+                     f"bootstrap of each shared seed alone ({sig['resamples']} resamples, seed {sig['seed']}; "
+                     "sentence noise only), paired_bootstrap_ci_per_seed its 95% percentile interval.")
     if "Welch" in methods:
         parts.append("p: Welch's t-test over seeds; 95% CI of Δ: t distribution, Welch-Satterthwaite df.")
     holm_text = "Holm-corrected" if sig["holm"] else "not corrected for multiple comparisons"
@@ -367,8 +367,8 @@ def write_csv(path: Path, h: StudyHandle, rows: list[Row]) -> None:
         w = csv.writer(f)
         w.writerow(["variant", f"{metric} mean", f"{metric} std", "n", f"{metric} ci_low", f"{metric} ci_high",
                     "delta_vs_baseline", "p_value", "delta_ci_low", "delta_ci_high", "p_holm", "significant", "test",
-                    "p_per_seed", "ci_per_seed", "baseline", *[c.label or c.source for c in extra], "n_params",
-                    "tokens_per_s", "wall_s", "seeds", "values"])
+                    "paired_bootstrap_p_per_seed", "paired_bootstrap_ci_per_seed", "baseline",
+                    *[c.label or c.source for c in extra], "n_params", "tokens_per_s", "wall_s", "seeds", "values"])
         for r in rows:
             c = r.comparison
             test = [c.p_value, c.ci_low, c.ci_high, c.p_holm, r.significant, c.method,
