@@ -18,6 +18,7 @@ import torch
 import yaml
 
 import attnlab.cli
+import attnlab.evaluate
 from attnlab.ablate import final
 from attnlab.cli import main
 from attnlab.config import ConfigError
@@ -176,13 +177,13 @@ def test_generate_samples_from_an_lm_checkpoint_conditioned_on_the_document_sepa
     assert main(argv) == 0 and capsys.readouterr().out == first  # seeded: reproducible
 
     seen = {}
-    real = attnlab.cli.generate
+    real = attnlab.evaluate.generate
 
     def spy(model, prompt, **kw):
         seen["prompt"], seen["eos_id"] = prompt.tolist(), kw["eos_id"]
         return real(model, prompt, **kw)
 
-    monkeypatch.setattr(attnlab.cli, "generate", spy)
+    monkeypatch.setattr(attnlab.evaluate, "generate", spy)
     assert main(argv) == 0
     # LM training data is documents each followed by EOS (never BOS): a prompt starts after an EOS
     assert seen["prompt"] == [[tok.eos_id] + tok.encode("der Hund", side="tgt")] and seen["eos_id"] == tok.eos_id
@@ -277,8 +278,8 @@ def test_decoding_picks_cuda_when_there_is_one_and_device_chooses(monkeypatch):
 
 
 def test_translate_and_generate_decode_on_cuda_when_faked_and_on_the_device_given(runs, capsys, monkeypatch):
-    """With CUDA (faked: the decoding itself is stubbed), translate gets cuda and bf16 (the recipe trains with
-    precision auto, which is bf16-mixed on a GPU); --device cpu gives the CPU and fp32."""
+    """With CUDA (faked: the decoding itself is stubbed), translate and generate get cuda and bf16 (the recipe
+    trains with precision auto, which is bf16-mixed on a GPU); --device cpu gives the CPU and fp32."""
     seen: list[tuple] = []
     monkeypatch.setattr(attnlab.cli, "translate_lines",
                         lambda module, tok, lines, beam=None, device=None, dtype=None: seen.append((device, dtype))
@@ -291,10 +292,18 @@ def test_translate_and_generate_decode_on_cuda_when_faked_and_on_the_device_give
     assert main(["translate", "--ckpt", last, "--input", str(src)]) == 0
     assert main(["translate", "--ckpt", last, "--input", str(src), "--device", "cpu"]) == 0
     assert seen == [(torch.device("cuda"), torch.bfloat16), (torch.device("cpu"), None)]
-    moved = []
-    monkeypatch.setattr(attnlab.cli, "generate", lambda model, prompt, **kw: moved.append(
+    lm = str(runs["lm"] / "checkpoints" / "last.ckpt")
+    real = attnlab.cli.generate_text
+    generated: list[tuple] = []
+    monkeypatch.setattr(attnlab.cli, "generate_text", lambda module, tok, prompt, n, seed, device=None, dtype=None,
+                        **kw: generated.append((device, dtype)) or prompt)
+    assert main(["generate", "--ckpt", lm]) == 0 and main(["generate", "--ckpt", lm, "--device", "cpu"]) == 0
+    assert generated == [(torch.device("cuda"), torch.bfloat16), (torch.device("cpu"), None)]
+    monkeypatch.setattr(attnlab.cli, "generate_text", real)
+    moved = []  # on the device given: the model, the prompt and the random generator
+    monkeypatch.setattr(attnlab.evaluate, "generate", lambda model, prompt, **kw: moved.append(
         (next(model.parameters()).device, prompt.device, kw["generator"].device)) or prompt.tolist())
-    assert main(["generate", "--ckpt", str(runs["lm"] / "checkpoints" / "last.ckpt"), "--device", "cpu"]) == 0
+    assert main(["generate", "--ckpt", lm, "--device", "cpu"]) == 0
     assert moved == [(torch.device("cpu"),) * 3]
     capsys.readouterr()
 
@@ -457,7 +466,7 @@ def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs
     lm = load_module(lm_ckpt).model
     for prompt in ("der Hund", "die Datei", ""):
         ids = torch.tensor([[tok.eos_id] + Tokenizer.load(runs["lm"] / "tokenizer").encode(prompt, side="tgt")])
-        ours = attnlab.cli.generate(lm, ids, max_new_tokens=15, greedy=True, eos_id=2)[0]
+        ours = attnlab.evaluate.generate(lm, ids, max_new_tokens=15, greedy=True, eos_id=2)[0]
         with torch.no_grad():
             theirs = llama.generate(ids, max_new_tokens=15, do_sample=False)[0].tolist()
         assert theirs == ours and len(ours) > ids.shape[1], prompt

@@ -26,10 +26,9 @@ from .bleu import compound_split_bleu, read_pair
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
 from .cliargs import Parser, check_options, config_help
 from .config import ConfigError, ModelConfig, load_yaml
-from .decode import generate
 from .evaluate import (
-    autocast,
     decode_dtype,
+    generate_text,
     load_module,
     load_tokenizer,
     pick_device,
@@ -269,15 +268,9 @@ def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
                           "attnlab translate decodes translation models")
     tok = load_tokenizer(args.ckpt, ckpt)
     dev = pick_device(args.device)
-    # LM training streams documents each followed by EOS (no BOS anywhere), so EOS is what precedes the start of a
-    # document: the prompt is conditioned on it, and generation stops at the next one
-    ids = [tok.eos_id] + list(tok.encode(args.prompt, side="tgt"))
-    g = torch.Generator(device=dev).manual_seed(args.seed)
-    with autocast(dev, decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt)))):
-        out = generate(module.model.to(dev), torch.tensor([ids], device=dev), max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id,
-                       generator=g)
-    print(tok.decode(list(out[0]), side="tgt"))
+    print(generate_text(module, tok, args.prompt, args.max_new_tokens, args.seed, dev,
+                        decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt))), temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p))
     return 0
 
 

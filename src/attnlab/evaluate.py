@@ -21,6 +21,7 @@ from .bleu import sacrebleu_bleu
 from .checkpoints import checked, load_checkpoint
 from .config import ConfigError, DecodeConfig, load_yaml
 from .data.tokenizer import Tokenizer
+from .decode import generate
 from .lit import LMModule, MLMModule, Seq2SeqModule
 
 log = logging.getLogger("attnlab")
@@ -167,6 +168,23 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
         for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
             out[i] = h
     return out
+
+
+@torch.no_grad()
+def generate_text(module: LMModule, tokenizer, prompt: str, max_new_tokens: int, seed: int,
+                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, **sampling: Any) -> str:
+    """Continue `prompt` with a language model on `device` (default: `pick_device()`), under autocast to `dtype`
+    when given; `sampling`: decode.generate's temperature, top_k, top_p. The random generator is made on that
+    device from `seed`, so a seed reproduces the text on the device it ran on. LM training streams documents
+    each followed by EOS (no BOS anywhere), so EOS is what precedes the start of a document: the prompt is
+    conditioned on it, and generation stops at the next one."""
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    ids = [tokenizer.eos_id] + list(tokenizer.encode(prompt, side="tgt"))
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with autocast(dev, dtype):
+        out = generate(module.model.to(dev), torch.tensor([ids], device=dev), max_new_tokens=max_new_tokens,
+                       eos_id=tokenizer.eos_id, generator=g, **sampling)
+    return tokenizer.decode(list(out[0]), side="tgt")
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str = "") -> dict[str, Any]:
