@@ -261,7 +261,8 @@ def load_marian(model, hf) -> None:
     """Marian: one shared table (source, target, output); q/k/v_proj -> qkv_proj [q; k; v], cross-attention's
     k/v_proj -> kv_proj [k; v]; post-norm slots. Marian's sinusoid table puts the sines in the first half and the
     cosines in the second (attnlab interleaves them, as the paper's formula): attnlab's table is copied into
-    Marian's frozen position embeddings, so both add the same positions."""
+    Marian's frozen position embeddings, so both add the same positions (the logit tests prove the rest of the
+    model; test_marian_sinusoids_are_attnlabs_table_with_sines_first proves the table against Marian's own)."""
     m = hf.model
     assert m.encoder.embed_tokens.weight is m.shared.weight is hf.lm_head.weight and model.head is None
     assert not hf.final_logits_bias.any()  # a zero buffer: attnlab has no output bias
@@ -508,6 +509,27 @@ def marian():
                           scale_embeddings=True, attn_bias=True, ffn_bias=True)
     load_marian(model, hf)
     return model, hf
+
+
+def test_marian_sinusoids_are_attnlabs_table_with_sines_first():
+    """The proof of `position: sinusoidal` against an independent table: HF's own Marian code (its
+    `create_weight`, in float64 numpy, and what a fresh MarianMTModel holds) puts every frequency's sine in the
+    first half and its cosine in the second; attnlab's table, computed by attnlab and interleaved as the paper's
+    PE(pos, 2i), PE(pos, 2i+1), equals it with its even columns first, then its odd ones (the order the export
+    writes). The logit tests then copy one table into both models."""
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+
+    positions = 64
+    theirs = MarianSinusoidalPositionalEmbedding(positions, D).create_weight()  # (P, d)
+    fresh = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=H,
+        decoder_attention_heads=H, max_position_embeddings=positions, pad_token_id=PAD, bos_token_id=BOS,
+        eos_token_id=EOS, decoder_start_token_id=BOS)).model.encoder.embed_positions.weight
+    torch.testing.assert_close(fresh, theirs, atol=0, rtol=0)
+    ours = sinusoidal_positions(torch.arange(positions), D)  # (P, d) interleaved
+    perm = torch.cat((torch.arange(0, D, 2), torch.arange(1, D, 2)))
+    torch.testing.assert_close(ours[:, perm], theirs, atol=2e-5, rtol=0)
+    assert not torch.allclose(ours, theirs, atol=1e-2)  # not the same layout without the permutation
 
 
 def sources(seed: int = 5) -> torch.Tensor:
