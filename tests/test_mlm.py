@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy import stats
 
 from attnlab.cli import main
 from attnlab.config import CHOICES, ConfigError, ModelConfig
@@ -28,21 +29,32 @@ V, FIRST = 300, 5  # ids 0-4: PAD, BOS, EOS, UNK, <mask>
 
 
 def test_masking_is_berts_15_percent_with_80_10_10():
+    """BERT's split, each share within 3 binomial standard deviations of its value (about 0.2 points here, not a
+    fixed ±1), and the random replacements uniform over the ordinary tokens: every one drawn, and Pearson's
+    chi-square against equal counts not rejected (p > 0.001, seeded)."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (200, 1000), generator=g)  # some specials among them
+    ids = torch.randint(0, V, (400, 2000), generator=g)  # some specials among them
     inputs, target = mask_tokens(ids, 4, FIRST, V, pad_id=0, generator=torch.Generator().manual_seed(1))
     chosen = target.ne(0)
     ordinary = ids.ge(FIRST)
     assert not (chosen & ~ordinary).any() and torch.equal(target[chosen], ids[chosen])  # specials never chosen
-    assert chosen.sum() / ordinary.sum() == pytest.approx(0.15, abs=0.005)
+
+    def within_3_sigma(count: torch.Tensor, total: torch.Tensor, p: float) -> bool:
+        n = int(total)
+        return abs(int(count) / n - p) < 3 * math.sqrt(p * (1 - p) / n)
+
+    assert within_3_sigma(chosen.sum(), ordinary.sum(), 0.15)
     masked, kept = inputs.eq(4) & chosen, inputs.eq(ids) & chosen
     replaced = chosen & ~masked & ~kept
     n = chosen.sum()
     # a random replacement may draw the token itself (1 in V - 5): it then counts as kept
-    assert masked.sum() / n == pytest.approx(0.8, abs=0.01)
-    assert replaced.sum() / n == pytest.approx(0.1 * (1 - 1 / (V - FIRST)), abs=0.01)
-    assert kept.sum() / n == pytest.approx(0.1, abs=0.01)
-    assert inputs[replaced].min() >= FIRST and inputs[replaced].max() < V
+    assert within_3_sigma(masked.sum(), n, 0.8)
+    assert within_3_sigma(replaced.sum(), n, 0.1 * (1 - 1 / (V - FIRST)))
+    assert within_3_sigma(kept.sum(), n, 0.1 + 0.1 / (V - FIRST))
+    counts = torch.bincount(inputs[replaced], minlength=V)[FIRST:].double()  # (V - FIRST,)
+    assert torch.bincount(inputs[replaced], minlength=V)[:FIRST].sum() == 0 and counts.min() > 0  # every one drawn
+    chi2 = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
+    assert stats.chi2.sf(chi2, len(counts) - 1) > 1e-3, chi2
     assert torch.equal(inputs[~chosen], ids[~chosen])  # nothing else changes
     again = mask_tokens(ids, 4, FIRST, V, generator=torch.Generator().manual_seed(1))
     other = mask_tokens(ids, 4, FIRST, V, generator=torch.Generator().manual_seed(2))
