@@ -318,6 +318,17 @@ def check_causal_lm(model, hf) -> None:
         theirs = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=NEW, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=PAD)
         assert ours == theirs[0].tolist()
+    # HF's batched path: all prompts at once, left-padded, with their attention mask (and the positions HF
+    # derives from it): token for token what attnlab's per-length groups give
+    width = max(LENGTHS)
+    left = torch.full((len(prompts), width), PAD, dtype=torch.long)  # (B, T)
+    for i, p in enumerate(prompts):
+        left[i, width - len(p):] = p
+    real = torch.arange(width)[None, :] >= width - torch.tensor(LENGTHS)[:, None]  # (B, T)
+    with torch.no_grad():
+        batched = hf.generate(left, attention_mask=real.long(), max_new_tokens=NEW, do_sample=False, num_beams=1,
+                              eos_token_id=None, pad_token_id=PAD)
+    assert [row[width - n:].tolist() for row, n in zip(batched, LENGTHS, strict=True)] == got
 
 
 @pytest.mark.parametrize("tie,backend,kv", [("none", "sdpa", KV), ("decoder", "eager", KV), ("none", "sdpa", 1)],
