@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import re
+import struct
+from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -21,6 +24,7 @@ from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import score
 from attnlab.experiment import TrainConfig, load_experiment
 from attnlab.progress import LineProgress, progress_callback
+from attnlab.rundir import run_metrics
 from attnlab.train import fit
 from test_train import write_recipe
 
@@ -71,16 +75,56 @@ def test_trainer_loggers_are_checked_before_any_work(tmp_path, monkeypatch):
     assert [type(lg).__name__ for lg in attnlab.train.make_loggers(exp, tmp_path)] == ["CSVLogger"]
 
 
+def wandb_records(path: Path) -> list:
+    """The protobuf Records of an offline W&B run file (what `wandb sync` uploads), read independently of wandb's
+    own (Go) reader: a 7-byte header (":W&B", magic 0xBEE1, version 0), then LevelDB-log blocks of 32 KiB whose
+    chunks carry a 7-byte header (CRC-32C, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), path
+    records, pos, chunks = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        chunks += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
 def test_wandb_offline_run(tmp_path, monkeypatch):
+    """Read back from the offline run file: its name, the hyper-parameters, and train/loss at every step equal to
+    what the CSV logger wrote for the same run."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     recipe = write_recipe(tmp_path, trainer={"loggers": "csv,wandb", "run_name": "wb", "max_steps": 4})
     run_dir = fit(load_experiment(recipe))
     [offline] = (run_dir / "wandb").glob("offline-run-*")
-    [records] = offline.glob("run-*.wandb")  # what `wandb sync` uploads: protobuf records, keys as plain strings
-    data = records.read_bytes()
-    assert all(key in data for key in (b"train/loss", b"train/lr", b"val/loss", b"val/bleu", b"d_model"))
+    [records] = offline.glob("run-*.wandb")
+    history, config, names = [], {}, []
+    for r in wandb_records(records):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            names.append(r.run.display_name)
+        elif kind == "config":
+            config.update({i.key: json.loads(i.value_json) for i in r.config.update})
+        elif kind == "history":
+            history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
+    assert names == ["wb"] and config["model"]["d_model"] == 32 and config["optim"]["lr"] == 2e-3
+    logged = {h["trainer/global_step"]: h["train/loss"] for h in history if "train/loss" in h}
+    csv_loss = dict(run_metrics(run_dir)["train/loss"])
+    assert sorted(logged) == [0, 1, 2, 3] and logged == pytest.approx(csv_loss, rel=1e-6)
+    assert any("val/bleu" in h for h in history)
     import wandb
 
     assert wandb.run is None  # finished: a next fit in this process starts its own run
@@ -91,16 +135,18 @@ def test_mlflow_local_stores(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     recipe = write_recipe(tmp_path, trainer={"loggers": "csv,mlflow", "run_name": "mlf", "max_steps": 4})
-    fit(load_experiment(recipe))
+    runs = {"mlf": fit(load_experiment(recipe))}
     file_store = tmp_path / "mlruns"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", file_store.as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores behind this switch
-    fit(load_experiment(recipe, {"trainer.run_name": "mlf2"}))
+    runs["mlf2"] = fit(load_experiment(recipe, {"trainer.run_name": "mlf2"}))
     for uri, name in ((f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}", "mlf"), (file_store.as_uri(), "mlf2")):
         client = mlflow.tracking.MlflowClient(uri)
         [run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
         assert run.info.run_name == name
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [0, 1, 2, 3]
+        logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+        assert sorted(logged) == [0, 1, 2, 3]  # and the values the CSV logger wrote for the same run
+        assert logged == pytest.approx(dict(run_metrics(runs[name])["train/loss"]), rel=1e-6)
         assert run.data.params["model/d_model"] == "32"  # the module's hyper-parameters
 
 
