@@ -4,7 +4,7 @@ earlier ones), or listed in SKIP with the reason it cannot run in a test: a GPU,
 minutes of training. A line that is in neither fails the test, so the README cannot grow a command nobody ran.
 What a line prints is checked against CHECKS, not only its exit code. The ablation lines run on the README's own
 study, `ablations/demo_significance.yaml`, whose trials are trained and evaluated by the fakes of
-tests/test_ablate_runner.py (the real 38-minute run is what the README's table reports)."""
+tests/test_ablate_runner.py (the real 18-minute run is what the README's table reports)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ SKIP = {  # the start of a line -> why this test does not run it
     "make test": "runs this test suite itself",
     "make demo": "trains for 10 minutes (tests/test_cli.py runs the demo at toy size)",
     "python3 -m venv .venv": "installs from the network",
-    "attnlab ablate run ablations/demo_significance.yaml": "trains 6 models and evaluates them, 38 minutes "
+    "attnlab ablate run ablations/demo_significance.yaml": "trains 6 models and evaluates them, 18 minutes "
                                                            "(here: trained by fakes before the block)",
     "attnlab ablate move runs/ablations/demo_norm_ffn --to postgresql": "needs a PostgreSQL server "
                                                                         "(tests/test_ablate_storage.py moves to one)",
     "attnlab ablate compare ablations/block_variants.yaml": "needs both 64-variant studies run "
                                                             "(tests/test_ablate_report.py compares two small ones)",
-    "make ablate-demo": "the 38-minute run above",
+    "make ablate-demo": "the 18-minute run above",
     "pip install optuna-dashboard": "installs from the network",
     "optuna-dashboard": "serves a dashboard",
     "attnlab ablate submit ablations/block_variants.yaml --launcher slurm": "needs a SLURM cluster",
