@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from .factors import fmt
 from .report import Row, collect_rows, digits
-from .spec import fmt
 from .stats import fit_linear, rank_correlation, rank_intervals
 from .study import StudyHandle
 

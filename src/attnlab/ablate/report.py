@@ -25,8 +25,8 @@ from optuna.trial import FrozenTrial
 
 from ..experiment import SECTIONS
 from .columns import FINAL_METRIC, Column
+from .factors import fmt
 from .final import read_lines
-from .spec import fmt
 from .stats import Comparison, bootstrap_rows, holm, t_interval, version, welch
 from .study import DONE, FAILED, INVALID, StudyHandle, final_scores, point_states, trial_value
 

@@ -65,8 +65,9 @@ from ..models.accounting import count_parameters
 from ..rundir import run_metrics
 from .budget import StepCost, step_cost, warmup_warning, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
+from .factors import Variant, fmt, short_key
 from .final import DEFAULT_EVALUATE
-from .spec import AblationSpec, Variant, fmt, short_key
+from .spec import AblationSpec
 from .study import (
     DONE,
     INVALID,
