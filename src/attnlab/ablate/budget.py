@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..experiment import Experiment
-from ..models.accounting import flops_per_token, training_flops
+from ..models.accounting import count_parameters, flops_per_token, training_flops
 from ..train import prepare
 
 if TYPE_CHECKING:
@@ -69,13 +69,31 @@ def budget_steps(flops: float, cost: StepCost) -> int:
     return max(1, math.floor(flops / cost.flops_per_step))
 
 
-def with_flops_budget(exp: Experiment, flops: float, horizon: bool = True) -> tuple[Experiment, StepCost]:
+def with_flops_budget(exp: Experiment, flops: float, horizon: bool = True, cost: StepCost | None = None
+                      ) -> tuple[Experiment, StepCost]:
     """The trial with trainer.max_steps set to its budget's steps, and the schedule's horizon (optim.max_steps)
     too unless the file sets it (`horizon` False), as a steps budget does (AblationSpec.trial_overrides)."""
-    cost = step_cost(exp)
+    cost = cost or step_cost(exp)
     steps = budget_steps(flops, cost)
     optim = exp.optim.replace(max_steps=steps) if horizon else exp.optim
     return exp.replace(trainer=exp.trainer.replace(max_steps=steps), optim=optim), cost
+
+
+def scale_flops(exp: Experiment, budget: dict[str, float], cost: StepCost) -> float:
+    """The training FLOPs a size's budget gives it (`scale: {budget: ...}`): fixed FLOPs, FLOPs per parameter,
+    fixed tokens, or tokens per parameter (Hoffmann et al. 2022 found about 20 compute-optimal), tokens times the
+    trial's FLOPs per token. Parameters: every one, embeddings included (the model of the trial, its vocabulary
+    the tokenizer's)."""
+    (key, value), = budget.items()
+    if key == "flops":
+        return value
+    model = exp.model.replace(vocab_size=exp.data.vocab_size, src_vocab_size=0) if exp.task == "lm" else \
+        prepare(exp)[1].model
+    n = count_parameters(model)["total"]
+    if key == "flops_per_param":
+        return value * n
+    tokens = value if key == "tokens" else value * n
+    return tokens * cost.flops_per_token
 
 
 def warmup_warning(where: str, steps: int, warmup: int, what: str) -> str:
@@ -90,7 +108,8 @@ def budget_warnings(spec: AblationSpec) -> list[str]:
     budget that ends inside the warmup (a FLOPs budget is checked per trial, once its steps are known), and a
     schedule that ignores the budget's horizon. One warning per problem, naming the variants it concerns when
     not all of them."""
-    if spec.budget_steps is None and spec.budget_flops is None and spec.budget_time_min is None:
+    if spec.budget_steps is None and spec.budget_flops is None and spec.budget_time_min is None and \
+            not spec.scale_budget:
         return []
     found: dict[str, list[str]] = {}
     variants = spec.variants() or [None]  # a search: its base

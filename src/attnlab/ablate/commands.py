@@ -17,6 +17,7 @@ from .figures import plot
 from .final import DEFAULT_EVALUATE, evaluate_study
 from .report import write_table
 from .runner import options_from, run_study, work
+from .scaling_report import collect_curves, scaling_report, size_transfer
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
 from .submit import submit_study
@@ -42,7 +43,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `ablate` subcommands to an argparse subparsers object (attnlab's CLI)."""
     ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, evaluate, table, "
-                                              "plot, effects, compare")
+                                              "plot, effects, scaling, compare")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -74,7 +75,9 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                        ("evaluate", "the final evaluation of every finished trial that has none, without retraining"),
                        ("table", "markdown table (and table.csv, table.tex) from the stored trials"),
                        ("plot", "curves.png and metric.png from the stored trials"),
-                       ("effects", "main effects of each factor and a two-way interaction (effects.csv, .png)")):
+                       ("effects", "main effects of each factor and a two-way interaction (effects.csv, .png)"),
+                       ("scaling", "fit each variant's validation loss against compute over the scale: ladder "
+                                   "(scaling.md, .csv, .tex, .png)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("study", help="the ablation file, or its study directory")
         p.add_argument("--dir", default=None, help="study directory when it is not the default")
@@ -86,15 +89,19 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
             p.add_argument("--evaluate", default=DEFAULT_EVALUATE, help="module:function (exp, run_dir) -> scores")
         else:
             p.add_argument("--out", default=None, help="output directory (default: the study directory)")
+        if name == "scaling":
+            p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the seeds")
         if name == "effects":
             p.add_argument("--pair", nargs=2, default=None, metavar=("A", "B"),
                            help="the two factors of the interaction (default: the first two)")
     compare = sub.add_parser("compare", help="the variants two studies share, side by side, and the rank "
                                              "correlation of their scores (Kendall's tau, Spearman's rho)")
     compare.add_argument("study_a", help="an ablation file or study directory")
-    compare.add_argument("study_b", help="another one")
-    compare.add_argument("--dirs", nargs=2, default=None, metavar=("DIR_A", "DIR_B"),
-                         help="their study directories when they are not the default")
+    compare.add_argument("study_b", nargs="?", default=None,
+                         help="another one; without it, a study with a scale: ladder compares its smallest and "
+                              "largest sizes")
+    compare.add_argument("--dirs", nargs="+", default=None, metavar="DIR",
+                         help="their study directories when they are not the default (one per study)")
     return ab
 
 
@@ -133,7 +140,14 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
               f"in {h.dir / 'study.yaml'}")
         return 0
     if sub == "compare":
-        dirs = args.dirs or (None, None)
+        dirs = list(args.dirs or []) + [None, None]
+        if len(args.dirs or []) > 1 + (args.study_b is not None):
+            raise ConfigError(f"--dirs: one directory per study, got {len(args.dirs)}")
+        if args.study_b is None:
+            h = open_study(args.study_a, None, dirs[0])
+            curves, _, sizes, _ = collect_curves(h)
+            print(size_transfer(h, curves, sizes))
+            return 0
         print(compare_studies(open_study(args.study_a, None, dirs[0]), open_study(args.study_b, None, dirs[1])))
         return 0
     h = open_study(args.study, args.storage, args.dir)
@@ -157,6 +171,11 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
     if sub == "plot":
         paths = plot(h, out)
         print(f"written: {', '.join(str(p) for p in paths)}")
+        return 0
+    if sub == "scaling":
+        text, paths = scaling_report(h, out, args.resamples)
+        print(text)
+        print(f"\nwritten: {', '.join(str(p) for p in paths)}")
         return 0
     if sub == "effects":
         text, paths = effects_report(h, tuple(args.pair) if args.pair else None, out)

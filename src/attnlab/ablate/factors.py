@@ -146,3 +146,64 @@ def parse_distributions(d: Any, src: str) -> tuple[Distribution, ...]:
         _need(not (log and step), f"{where}: log and step cannot be combined")
         out.append(Distribution(k, kind, low, high, step, log))
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------- scale and lr
+SCALE_BUDGETS = ("tokens", "tokens_per_param", "flops", "flops_per_param")
+
+
+def parse_scale(raw: Any, src: str) -> tuple[tuple[Variant, ...], dict[str, float]]:
+    """`scale: {sizes: [{name: S, model.d_model: 64, model.n_dec_layers: 2, ...}, ...], d_ff_ratio: 4,
+    budget: {tokens_per_param: 20}}`: the ladder of model sizes (each a named set of model fields; d_ff_ratio sets
+    model.d_ff = ratio * d_model where a size does not give d_ff) and each size's training budget (budget.py)."""
+    _need(isinstance(raw, dict) and isinstance(raw.get("sizes"), list) and len(raw["sizes"]) >= 2,
+          f"{src}: scale: expected {{sizes: [at least 2 sizes], budget: {{tokens_per_param: 20}}}}, got {raw!r}")
+    bad = [k for k in raw if k not in ("sizes", "d_ff_ratio", "budget")]
+    _need(not bad, f"{src}: scale: unknown key(s) {bad}; expected sizes, d_ff_ratio, budget")
+    ratio = raw.get("d_ff_ratio")
+    _need(ratio is None or (isinstance(ratio, (int, float)) and ratio > 0), f"{src}: scale.d_ff_ratio={ratio!r}")
+    sizes = []
+    for i, item in enumerate(raw["sizes"]):
+        where = f"{src}: scale.sizes[{i}]"
+        _need(isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"],
+              f"{where} needs a name: and model.<field>: value pairs")
+        over = parse_overrides({k: v for k, v in item.items() if k != "name"}, where)
+        _need(over and all(k.startswith("model.") for k in over), f"{where}: a size sets model.<field>s only")
+        if ratio is not None and "model.d_ff" not in over:
+            _need("model.d_model" in over, f"{where}: scale.d_ff_ratio needs model.d_model in every size")
+            over["model.d_ff"] = int(round(ratio * over["model.d_model"]))
+        sizes.append(Variant(item["name"], over, (f"scale={item['name']}",)))
+    _need(len({v.name for v in sizes}) == len(sizes), f"{src}: scale.sizes: two sizes have the same name")
+    _need(len({v.key for v in sizes}) == len(sizes), f"{src}: scale.sizes: two sizes have the same fields")
+    budget = raw.get("budget") or {}
+    _need(isinstance(budget, dict) and len(budget) == 1 and next(iter(budget)) in SCALE_BUDGETS,
+          f"{src}: scale.budget: expected one of {{tokens: N}}, {{tokens_per_param: k}}, {{flops: X}}, "
+          f"{{flops_per_param: k}}, got {budget!r}")
+    key, value = next(iter(budget.items()))
+    value = coerce(value, float)
+    _need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+          f"{src}: scale.budget.{key}={value!r} must be a number > 0")
+    return tuple(sizes), {key: float(value)}
+
+
+def parse_lr(raw: Any, base_lr: float, src: str) -> tuple[float, ...]:
+    """`lr: {values: [1e-3, 2e-3]}`, `{factors: [0.5, 1, 2]}` (times the recipe's optim.lr) or `{points: 3,
+    spread: 2}` (log-spaced: the recipe's LR times spread^k for k centred on 0, here 0.5, 1, 2)."""
+    _need(isinstance(raw, dict) and len(raw) in (1, 2), f"{src}: lr: expected {{values: [...]}}, {{factors: [...]}} "
+          f"or {{points: 3, spread: 2}}, got {raw!r}")
+    if "values" in raw or "factors" in raw:
+        _need(len(raw) == 1, f"{src}: lr: give values: or factors:, alone")
+        key = "values" if "values" in raw else "factors"
+        items = [coerce(x, float) for x in raw[key]] if isinstance(raw[key], list) else []
+        _need(len(items) >= 2 and all(isinstance(x, (int, float)) and x > 0 for x in items),
+              f"{src}: lr.{key} must be a list of at least 2 numbers > 0, got {raw[key]!r}")
+        out = items if key == "values" else [base_lr * f for f in items]
+    else:
+        _need(set(raw) == {"points", "spread"}, f"{src}: lr: expected {{points: 3, spread: 2}}, got {raw!r}")
+        n, spread = raw["points"], coerce(raw["spread"], float)
+        _need(isinstance(n, int) and n >= 2 and isinstance(spread, (int, float)) and spread > 1,
+              f"{src}: lr: points must be an int >= 2 and spread a number > 1, got {raw!r}")
+        out = [base_lr * spread ** (k - (n - 1) / 2) for k in range(n)]
+    out = sorted(float(f"{x:.6g}") for x in out)
+    _need(len(set(out)) == len(out), f"{src}: lr: repeats a value: {out}")
+    return tuple(out)

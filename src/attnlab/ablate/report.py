@@ -110,7 +110,7 @@ def collect_rows(h: StudyHandle, tests: bool = True) -> tuple[list[Row], list[st
         trials = [t for t, _ in pairs]
         row = Row(key, str(trials[0].user_attrs.get("variant")), trials, [v for _, v in pairs], key == baseline)
         row.cells = {c.source: column_value(row, c, attrs) for c in spec.columns if c.source != "metric"}
-        if spec.budget_steps is not None or spec.budget_flops is not None:
+        if spec.budget_steps is not None or spec.budget_flops is not None or spec.scale_budget:
             row.short = short_of_budget(trials)
             notes += [f"{row.variant} {x}: short of its budget (†)" for x in row.short]
         rows.append(row)

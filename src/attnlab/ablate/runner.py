@@ -63,7 +63,7 @@ from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit, resolve_fi
 from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
-from .budget import StepCost, step_cost, warmup_warning, with_flops_budget
+from .budget import StepCost, scale_flops, step_cost, warmup_warning, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
 from .factors import Variant, fmt, short_key
 from .final import DEFAULT_EVALUATE
@@ -208,14 +208,18 @@ def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
 
 
 def grid_params(spec: AblationSpec, variant: Variant) -> tuple[dict[str, Any], dict[str, BaseDistribution]]:
-    """A grid point's factor values as optuna params: each axis (its values the choices) and, for a variants:
-    list, `variant` (the listed names the choices)."""
+    """A grid point's factor values as optuna params: each axis (its values the choices), for a variants: list
+    `variant` (the listed names the choices), for a scale: ladder `scale` (the sizes) and the lr: search."""
     params: dict[str, Any] = {}
     dists: dict[str, BaseDistribution] = {}
     for level in variant.levels:
         key, _, name = level.partition("=")
         if key == "variant":
             params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.variant_list])
+        elif key == "scale":
+            params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.sizes])
+        elif key == "optim.lr" and spec.lrs:
+            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(list(spec.lrs))
         else:
             params[key], dists[key] = variant.overrides[key], CategoricalDistribution(spec.axes[key])
     return params, dists
@@ -302,11 +306,16 @@ def trial_setup(spec: AblationSpec, study_dir: Path, overrides: dict[str, Any],
     exp = spec.experiment(overrides, seed)
     exp = exp.replace(trainer=exp.trainer.replace(runs_dir=str(study_dir / "runs")))
     cost = None
+    horizon = "optim.max_steps" not in {**spec.overrides, **overrides}
     if spec.budget_flops:
-        exp, cost = with_flops_budget(exp, spec.budget_flops, "optim.max_steps" not in {**spec.overrides, **overrides})
-        if exp.trainer.max_steps <= exp.optim.warmup_steps:
-            log.warning(warmup_warning(f"{spec.path} ({exp.name})", exp.trainer.max_steps, exp.optim.warmup_steps,
-                                       f"budget.flops={spec.budget_flops:g}, i.e. trainer.max_steps"))
+        exp, cost = with_flops_budget(exp, spec.budget_flops, horizon)
+        what = f"budget.flops={spec.budget_flops:g}, i.e. trainer.max_steps"
+    elif spec.scale_budget:
+        cost = step_cost(exp)
+        exp, cost = with_flops_budget(exp, scale_flops(exp, spec.scale_budget, cost), horizon, cost)
+        what = f"scale.budget {spec.scale_budget}, i.e. trainer.max_steps"
+    if cost is not None and exp.trainer.max_steps <= exp.optim.warmup_steps:
+        log.warning(warmup_warning(f"{spec.path} ({exp.name})", exp.trainer.max_steps, exp.optim.warmup_steps, what))
     return exp.replace(trainer=exp.trainer.replace(run_name=f"{exp.name}-{exp.config_hash()}")), cost
 
 

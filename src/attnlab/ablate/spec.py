@@ -64,14 +64,16 @@ from .factors import (
     fmt,
     parse_axes,
     parse_distributions,
+    parse_lr,
     parse_overrides,
+    parse_scale,
     parse_variants,
     short_key,
 )
 
 TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
             "axes", "variants", "search", "n_trials", "distributions", "search_seed", "final_eval", "columns",
-            "significance", "baseline")
+            "significance", "baseline", "scale", "lr")
 HORIZON_SCHEDULES = ("cosine", "wsd")  # the schedules that decay towards optim.max_steps
 RESOURCE_KEYS = ("devices", "nodes", "cpus", "mem_gb", "time_min", "partition")
 
@@ -112,6 +114,9 @@ class AblationSpec:
     search_seed: int = 0
     description: str = ""
     baseline_name: str | None = None  # the file's baseline: (a variant's name or key)
+    sizes: tuple[Variant, ...] = ()  # the scale: ladder (factors.parse_scale)
+    scale_budget: dict[str, float] = field(default_factory=dict)  # each size's training budget (budget.py)
+    lrs: tuple[float, ...] = ()  # the learning rates searched for every variant and size (factors.parse_lr)
 
     @property
     def is_search(self) -> bool:
@@ -119,17 +124,24 @@ class AblationSpec:
 
     # ----- what varies -----
     def variants(self) -> list[Variant]:
-        """The grid's variants: explicit variants (or the base alone) x the product of the axes, in file order."""
+        """The grid's variants: explicit variants (or the base alone) x the scale ladder's sizes x the product of
+        the axes x the learning rates searched, in file order."""
         listed = list(self.variant_list) or [Variant("base", {}, ())]
         keys = list(self.axes)
         out = []
-        for v in listed:
-            for values in itertools.product(*(self.axes[k] for k in keys)):
-                over = {**v.overrides, **dict(zip(keys, values, strict=True))}
-                parts = ([v.name] if self.variant_list else []) + [
-                    f"{short_key(k, keys)}={fmt(x)}" for k, x in zip(keys, values, strict=True)]
-                levels = v.levels + tuple(f"{k}={fmt(x)}" for k, x in zip(keys, values, strict=True))
-                out.append(Variant(" ".join(parts) or v.name, over, levels))
+        for v, size, values, lr in itertools.product(listed, list(self.sizes) or [None],
+                                                     list(itertools.product(*(self.axes[k] for k in keys))),
+                                                     list(self.lrs) or [None]):
+            over = {**v.overrides, **(size.overrides if size else {}), **dict(zip(keys, values, strict=True))}
+            parts = ([v.name] if self.variant_list else []) + ([f"scale={size.name}"] if size else []) + [
+                f"{short_key(k, keys)}={fmt(x)}" for k, x in zip(keys, values, strict=True)]
+            levels = v.levels + (size.levels if size else ()) + tuple(
+                f"{k}={fmt(x)}" for k, x in zip(keys, values, strict=True))
+            if lr is not None:
+                over["optim.lr"] = lr
+                parts.append(f"lr={fmt(lr)}")
+                levels += (f"optim.lr={fmt(lr)}",)
+            out.append(Variant(" ".join(parts) or v.name, over, levels))
         return out
 
     def varied_keys(self) -> set[str]:
@@ -176,7 +188,8 @@ class AblationSpec:
         out: dict[str, Any] = {}
         if self.budget_steps is not None:
             out["optim.max_steps"] = self.budget_steps
-        if (self.budget_steps is not None or self.budget_flops is not None) and self.budget_time_min is None:
+        if (self.budget_steps is not None or self.budget_flops is not None or self.scale_budget) and \
+                self.budget_time_min is None:
             out["trainer.max_time_min"] = 0  # the budget, not the recipe's time limit, ends a trial
         out.update(self.overrides)
         if self.budget_steps is not None:
@@ -295,18 +308,29 @@ def load_spec(path: str | Path) -> AblationSpec:
     clash = [k for v in variant_list for k in v.overrides if k in axes]
     _need(not clash, f"{src}: {sorted(set(clash))} appear in both axes: and variants:")
 
+    sizes, scale_budget = parse_scale(raw["scale"], src) if "scale" in raw else ((), {})
+    _need(not (scale_budget and (steps or flops or time_min)),
+          f"{src}: scale.budget gives each size its budget; remove budget: (or scale: its budget)")
+    base_lr = coerce({**flatten(_base_raw(base)), **overrides}.get("optim.lr", 1.0), float)
+    lrs = parse_lr(raw["lr"], float(base_lr), src) if "lr" in raw else ()
+    sized = {k for v in sizes for k in v.overrides}
+    clash = sorted(k for k in [*axes, *(k for v in variant_list for k in v.overrides)]
+                   if k in sized or (lrs and k == "optim.lr"))
+    _need(not clash, f"{src}: {clash} are set by scale: or lr: and cannot also vary in axes:/variants:")
     search = raw.get("search")
     dists = parse_distributions(raw.get("distributions") or {}, src)
     n_trials = raw.get("n_trials", 0)
     if search is not None:
         _need(search == "optuna", f"{src}: search={search!r}; the only search is 'optuna' (TPE)")
         _need(bool(dists), f"{src}: search: optuna needs distributions:")
-        _need(not axes and not variant_list, f"{src}: search: optuna replaces axes:/variants:; give one or the other")
+        _need(not axes and not variant_list and not sizes and not lrs,
+              f"{src}: search: optuna replaces axes:/variants:/scale:/lr:; give one or the other")
         _need(isinstance(n_trials, int) and n_trials >= 1, f"{src}: search: optuna needs n_trials >= 1")
         _need(len(seeds) == 1, f"{src}: a search runs one seed per trial; give seeds: [N]")
     else:
         _need(not dists and "n_trials" not in raw, f"{src}: distributions:/n_trials: need search: optuna")
-        _need(bool(axes or variant_list), f"{src}: nothing varies: give axes:, variants:, or search: optuna")
+        _need(bool(axes or variant_list or sizes or lrs),
+              f"{src}: nothing varies: give axes:, variants:, scale:, lr: or search: optuna")
     default_columns = list(DEFAULT_COLUMNS)
     if translation and str(metric["name"]) == "final/test_bleu":
         default_columns.insert(1, {"chrF": "final/test_chrf"})
@@ -322,7 +346,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         significance=significance, resources=dict(resources), retries=retries, overrides=overrides, axes=axes,
         variant_list=variant_list,
         distributions=dists, n_trials=n_trials if search else 0, search_seed=int(raw.get("search_seed", 0)),
-        description=str(raw.get("description", "")),
+        description=str(raw.get("description", "")), sizes=sizes, scale_budget=scale_budget, lrs=lrs,
         baseline_name=None if raw.get("baseline") is None else str(raw["baseline"]),
     )
     spec.experiment({})  # the base itself, with the fixed overrides and budget, must load
