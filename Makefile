@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # A CPU build of torch where this machine offers one (a local wheel); otherwise pip's default for the platform.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-fast demo ablate-demo lint clean
+.PHONY: venv test test-fast demo ablate-demo scaling-demo lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ ablate-demo: venv
 	$(VENV)/bin/attnlab ablate run $(ABLATION) --workers 2
 	$(VENV)/bin/attnlab ablate table $(ABLATION)
 	$(VENV)/bin/attnlab ablate plot $(ABLATION)
+
+SCALING ?= ablations/scaling_demo.yaml
+scaling-demo: venv
+	$(VENV)/bin/attnlab ablate run $(SCALING) --workers 2
+	$(VENV)/bin/attnlab ablate scaling $(SCALING)
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
