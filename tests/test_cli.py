@@ -470,6 +470,18 @@ def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs
         with torch.no_grad():
             theirs = llama.generate(ids, max_new_tokens=15, do_sample=False)[0].tolist()
         assert theirs == ours and len(ours) > ids.shape[1], prompt
+    # as a Hugging Face user calls it: the exported tokenizer and generate() with its default arguments give
+    # exactly `attnlab generate`'s text (greedy: --temperature 0; the length: the same default)
+    hf_lm_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "lm")
+    for prompt in ("der Hund", "Die Datei"):
+        capsys.readouterr()
+        assert main(["generate", "--ckpt", str(lm_ckpt), "--prompt", prompt, "--temperature", "0"]) == 0
+        ours = capsys.readouterr().out.removesuffix("\n")
+        inputs = hf_lm_tok(prompt, return_tensors="pt")
+        assert inputs["input_ids"][0, 0] == tok.eos_id and hf_lm_tok.bos_token_id == tok.eos_id
+        with torch.no_grad():
+            theirs = hf_lm_tok.decode(llama.generate(**inputs)[0], skip_special_tokens=True)
+        assert theirs == ours and len(ours) > len(prompt) + 5, (prompt, ours)
     assert type(marian).__name__ == "MarianMTModel" and type(llama).__name__ == "LlamaForCausalLM"
 
 

@@ -59,7 +59,7 @@ def test_llama_export_generates_attnlab_tokens(tmp_path, tokenizer, tie, capsys)
     continuations = set()
     for text in ["the red house", "open the file 5.", "network error"]:
         ids = [tokenizer.eos_id] + tokenizer.encode(text, side="tgt")
-        assert hf_tok(text)["input_ids"] == ids[1:]
+        assert hf_tok(text)["input_ids"] == ids  # the exported tokenizer starts with EOS, as attnlab generate
         ours = generate(net, torch.tensor([ids]), max_new_tokens=20, greedy=True)[0]
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None)[0]

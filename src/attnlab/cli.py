@@ -27,6 +27,7 @@ from .checkpoints import average_checkpoints, check_compatible, last_checkpoints
 from .cliargs import Parser, check_options, config_help
 from .config import ConfigError, ModelConfig, load_yaml
 from .evaluate import (
+    GENERATE_MAX_NEW_TOKENS,
     decode_dtype,
     generate_text,
     load_module,
@@ -374,7 +375,7 @@ def build_parser() -> Parser:
     gen.add_argument("--ckpt", required=True)
     add_device_arg(gen)
     gen.add_argument("--prompt", default="")
-    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--max-new-tokens", type=int, default=GENERATE_MAX_NEW_TOKENS)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)

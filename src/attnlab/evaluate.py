@@ -170,6 +170,9 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     return out
 
 
+GENERATE_MAX_NEW_TOKENS = 50  # attnlab generate's default, and an exported LM's generation_config
+
+
 @torch.no_grad()
 def generate_text(module: LMModule, tokenizer, prompt: str, max_new_tokens: int, seed: int,
                   device: str | torch.device | None = None, dtype: torch.dtype | None = None, **sampling: Any) -> str:

@@ -29,8 +29,8 @@ import torch
 
 from .checkpoints import load_checkpoint
 from .config import ConfigError, ModelConfig
-from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from .evaluate import load_tokenizer
+from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, start_with_eos
+from .evaluate import GENERATE_MAX_NEW_TOKENS, load_tokenizer
 from .models.layers import sinusoidal_positions
 
 # field -> the values that map. Fields in FREE map whatever their value (sizes, regularisation, initialisation,
@@ -96,12 +96,18 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     # one copy each: safetensors refuses tensors that share memory (the splits of qkv_proj, the position tables)
     save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
-    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    lm = cfg.arch == "decoder_only"
+    # a language model's documents start after an EOS (there is no BOS in its training data): EOS is its BOS
+    ids = {"bos_token_id": EOS_ID if lm else BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     config = {"architectures": [name], **config, **ids, "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    generation = {**ids, **({"decoder_start_token_id": BOS_ID} if cfg.arch == "encoder_decoder" else {})}
+    # generate() with no arguments: attnlab generate's defaults for length (greedy, as HF's default)
+    generation = {**ids, **({"max_new_tokens": GENERATE_MAX_NEW_TOKENS} if lm else
+                            {"decoder_start_token_id": BOS_ID})}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
     tokenizer.save(out)
+    if lm:
+        start_with_eos(out)  # the exported tokenizer puts that EOS before the prompt, as attnlab generate does
     return out
 
 
