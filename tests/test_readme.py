@@ -38,6 +38,7 @@ SKIP = {  # the start of a line -> why this test does not run it
                                                             "(tests/test_ablate_report.py compares two small ones)",
     "make ablate-demo": "the 18-minute run above",
     "pip install optuna-dashboard": "installs from the network",
+    "pip install 'attnlab[ctranslate2]'": "installs from the network (make test installs it with the dev extra)",
     "optuna-dashboard": "serves a dashboard",
     "attnlab ablate submit ablations/block_variants.yaml --launcher slurm": "needs a SLURM cluster",
     "attnlab ablate status ablations/block_variants.yaml": "the SLURM study of the line above",

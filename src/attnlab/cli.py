@@ -40,6 +40,7 @@ from .evaluate import (
 )
 from .experiment import load_experiment, parse_value
 from .export import export_hf
+from .export_ct2 import export_ctranslate2
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
 from .train import fit, make_trainer, prepare
@@ -324,7 +325,15 @@ def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
 
 
 def cmd_export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    """A checkpoint as a Hugging Face model folder: LlamaForCausalLM or MarianMTModel (attnlab.export)."""
+    """A checkpoint as a Hugging Face model folder (LlamaForCausalLM or MarianMTModel, attnlab.export) or a
+    CTranslate2 one (attnlab.export_ct2)."""
+    if args.format == "ctranslate2":
+        out = export_ctranslate2(args.ckpt, args.out, args.quantization)
+        print(f"exported {args.ckpt} -> {out}  (ctranslate2.Translator / ctranslate2.Generator; "
+              "transformers.AutoTokenizer.from_pretrained for its tokens)")
+        return 0
+    if args.quantization:
+        raise ConfigError("--quantization is for --format ctranslate2")
     out = export_hf(args.ckpt, args.out)
     print(f"exported {args.ckpt} -> {out}  (transformers: AutoModel*.from_pretrained / AutoTokenizer.from_pretrained)")
     return 0
@@ -393,10 +402,14 @@ def build_parser() -> Parser:
     avg.add_argument("--last", type=int, default=5)
     avg.add_argument("--ckpts", nargs="*", default=None)
     avg.add_argument("--out", default=None)
-    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (Llama or Marian)")
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face (Llama, Marian) or CTranslate2 model")
     ex.add_argument("--ckpt", required=True)
-    ex.add_argument("--format", choices=("hf",), default="hf", help="hf: safetensors + config.json + tokenizer")
+    ex.add_argument("--format", choices=("hf", "ctranslate2"), default="hf",
+                    help="hf: safetensors + config.json + tokenizer; ctranslate2: a CTranslate2 model folder with the "
+                         "tokenizer (the ctranslate2 extra)")
     ex.add_argument("--out", required=True, help="output folder (created; must be empty if it exists)")
+    ex.add_argument("--quantization", default=None,
+                    help="ctranslate2 only: the weights' type, e.g. int8 (default: float32, as trained)")
     add_ablate_commands(sub)
     return p
 

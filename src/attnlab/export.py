@@ -29,7 +29,7 @@ import torch
 
 from .checkpoints import load_checkpoint
 from .config import ConfigError, ModelConfig
-from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, start_with_eos
+from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_as_trained
 from .evaluate import GENERATE_MAX_NEW_TOKENS, load_tokenizer
 from .models.layers import sinusoidal_positions
 
@@ -106,8 +106,7 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
                             {"decoder_start_token_id": BOS_ID})}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
     tokenizer.save(out)
-    if lm:
-        start_with_eos(out)  # the exported tokenizer puts that EOS before the prompt, as attnlab generate does
+    encode_as_trained(out, lm)  # sources end with </s>; an LM's prompt starts after one, as attnlab generate's
     return out
 
 

@@ -40,19 +40,21 @@ def hf_files(mask: bool = False) -> dict[str, str]:
             "special_tokens_map.json": json.dumps({k: config[k] for k in config if k.endswith("_token")})}
 
 
-def start_with_eos(directory: str | Path) -> None:
-    """Make a saved joint tokenizer's Hugging Face files encode as attnlab's language models read text: every
-    encoding starts with </s> (LM training streams documents each followed by EOS, with no BOS anywhere, so a
-    document starts after an EOS), declared as the bos_token, as GPT-2's export does with <|endoftext|>."""
+def encode_as_trained(directory: str | Path, lm: bool) -> None:
+    """Make a saved joint tokenizer's Hugging Face files encode text as attnlab's models saw it in training.
+    A translation source ends with </s> (as Marian's tokenizer does). A language model's text starts after </s>:
+    LM training streams documents each followed by EOS, with no BOS anywhere, so </s> is what precedes a
+    document; it is declared as the bos_token, as GPT-2's export does with <|endoftext|>."""
     d = Path(directory)
     tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single=f"{EOS} $A", pair=f"{EOS} $A {EOS} $B:1",
-                                                       special_tokens=[(EOS, EOS_ID)])
+    single, pair = (f"{EOS} $A", f"{EOS} $A {EOS} $B:1") if lm else (f"$A {EOS}", f"$A {EOS} $B:1 {EOS}:1")
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=[(EOS, EOS_ID)])
     tok.save(str(d / "tokenizer.json"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        config = json.loads((d / name).read_text(encoding="utf-8"))
-        config["bos_token"] = EOS
-        (d / name).write_text(json.dumps(config, indent=1), encoding="utf-8")
+    if lm:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            config = json.loads((d / name).read_text(encoding="utf-8"))
+            config["bos_token"] = EOS
+            (d / name).write_text(json.dumps(config, indent=1), encoding="utf-8")
 
 
 def check_vocab_size(vocab_size: int, key: str = "data.vocab_size", mask: bool = False) -> None:

@@ -1,0 +1,134 @@
+"""`attnlab export --format ctranslate2` decoded by CTranslate2 itself (an independent C++ implementation of the
+Transformer and of greedy and beam search), on small models trained here: a translation model and a language
+model give attnlab's tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from attnlab.cli import main
+from attnlab.data.tokenizer import Tokenizer
+from attnlab.decode import beam_search, generate, greedy_search
+from attnlab.evaluate import load_module
+from conftest import make_pairs
+from test_cli import LM
+from test_train import write_recipe
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Marian-shaped translation model (post-norm LayerNorm, ReLU, sinusoids, one shared table) and a
+    Llama-shaped LM, each trained for 150 steps, exported to CTranslate2."""
+    root = tmp_path_factory.mktemp("ct2")
+    recipe = write_recipe(root, n_pairs=2000, model={"dropout": 0.0}, optim={"lr": 3e-3},
+                          trainer={"run_name": "mt", "max_steps": 150, "val_every": 1000, "ckpt_every": 150})
+    assert main(["fit", "-c", str(recipe)]) == 0
+    docs = root / "docs.txt"
+    docs.write_text("".join(t + "\n\n" for _, t in make_pairs(2000, seed=4)), encoding="utf-8")
+    lm = {k: dict(v) for k, v in LM.items()}
+    lm["data"].update(corpus=str(docs), data_dir=str(root / "lm_cache"))
+    lm["trainer"].update(runs_dir=str(root / "runs"), run_name="lm", max_steps=150, val_every=1000, ckpt_every=150)
+    (root / "lm.yaml").write_text(yaml.safe_dump({"name": "lm", **lm}), encoding="utf-8")
+    assert main(["fit", "-c", str(root / "lm.yaml")]) == 0
+    out = {}
+    for name in ("mt", "lm"):
+        ckpt = root / "runs" / name / "checkpoints" / "last.ckpt"
+        assert main(["export", "--ckpt", str(ckpt), "--format", "ctranslate2", "--out", str(root / f"ct2-{name}")]) == 0
+        out[name] = (ckpt, root / f"ct2-{name}", Tokenizer.load(root / "runs" / name / "tokenizer"))
+    return out
+
+
+def test_greedy_translation_is_attnlabs_on_every_sentence_or_a_near_tie(trained):
+    ckpt, folder, tok = trained["mt"]
+    module = load_module(ckpt)
+    cfg = module.decode_cfg
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type="float32")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)  # the tokenizer files travel with the model
+    lines = [s for s, _ in make_pairs(200, seed=11)]
+    same, outputs = 0, set()
+    for line in lines:
+        ids = tok.encode(line) + [tok.eos_id]
+        assert hf_tok(line)["input_ids"] == ids  # the exported tokenizer ends a source with </s>, as in training
+        src = torch.tensor([ids])  # (1, S)
+        limit = int(cfg.max_len_a * len(ids) + cfg.max_len_b)
+        [ours] = greedy_search(module.model, src, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+        [result] = translator.translate_batch([hf_tok.convert_ids_to_tokens(ids)], beam_size=1,
+                                              max_decoding_length=limit)
+        theirs = hf_tok.convert_tokens_to_ids(result.hypotheses[0])
+        outputs.add(tuple(ours))
+        if theirs == ours:
+            same += 1
+            continue
+        # where they part, attnlab's own log-probabilities must make the two tokens a near-tie
+        ends = ours + [tok.eos_id], theirs + [tok.eos_id]
+        at = next(i for i, (a, b) in enumerate(zip(*ends, strict=False)) if a != b)
+        tgt = torch.tensor([[tok.bos_id] + ours[:at]])
+        with torch.no_grad():
+            logp = module.model(src, tgt)[0, -1].log_softmax(-1)  # (V,)
+        pair = ends[0][at], ends[1][at]
+        assert abs(float(logp[pair[0]] - logp[pair[1]])) < 1e-3, (line, pair)
+    assert same / len(lines) >= 0.99 and len(outputs) > 50, same
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0])
+def test_beam_4_with_fairseqs_length_penalty_is_attnlabs(trained, alpha):
+    """Both rank finished hypotheses by log p(y + EOS) / (|y| + 1)^alpha. They differ only for a hypothesis cut at
+    the maximum length: attnlab (as fairseq) forces its EOS and counts that EOS's log-probability and length,
+    CTranslate2 counts neither; sentences whose best hypothesis is cut there are left out (and counted)."""
+    ckpt, folder, tok = trained["mt"]
+    module = load_module(ckpt)
+    cfg = module.decode_cfg
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type="float32")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    compared = same = 0
+    for line in [s for s, _ in make_pairs(100, seed=12)]:
+        ids = tok.encode(line) + [tok.eos_id]
+        limit = int(cfg.max_len_a * len(ids) + cfg.max_len_b)
+        [[(ours, score)]] = beam_search(module.model, torch.tensor([ids]), beam_size=4, len_penalty=alpha,
+                                        penalty="fairseq", max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+        [result] = translator.translate_batch([hf_tok.convert_ids_to_tokens(ids)], beam_size=4,
+                                              length_penalty=alpha, max_decoding_length=limit, return_scores=True)
+        theirs = hf_tok.convert_tokens_to_ids(result.hypotheses[0])
+        if limit in (len(ours), len(theirs)):
+            continue
+        compared += 1
+        same += theirs == ours
+        if theirs == ours:
+            assert result.scores[0] == pytest.approx(score, rel=3e-4)  # float32 sums in another order
+    assert compared >= 80 and same == compared, (same, compared)
+
+
+def test_greedy_generation_of_the_language_model_is_attnlabs(trained):
+    ckpt, folder, tok = trained["lm"]
+    model = load_module(ckpt).model
+    generator = ctranslate2.Generator(str(folder), device="cpu", compute_type="float32")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for prompt in ("der Hund", "Die Datei", "Speichern", ""):
+        ids = hf_tok(prompt)["input_ids"]  # the exported tokenizer starts with </s>, as attnlab generate does
+        assert ids == [tok.eos_id] + tok.encode(prompt, side="tgt")
+        [ours] = generate(model, torch.tensor([ids]), max_new_tokens=20, greedy=True, eos_id=tok.eos_id)
+        [result] = generator.generate_batch([hf_tok.convert_ids_to_tokens(ids)], max_length=20, sampling_topk=1,
+                                            include_prompt_in_result=False, end_token="</s>")
+        theirs = ids + result.sequences_ids[0]
+        assert theirs == ours[: len(theirs)] and len(ours) - len(theirs) <= 1, prompt  # attnlab keeps the EOS
+        assert math.isfinite(len(theirs)) and len(theirs) > len(ids) + 3
+
+
+def test_a_variant_it_cannot_represent_is_refused_naming_the_fields(trained, tmp_path, capsys):
+    ckpt, _, _ = trained["mt"]
+    recipe = write_recipe(tmp_path, model={"norm": "rmsnorm", "ffn": "swiglu"}, trainer={"run_name": "x",
+                                                                                         "max_steps": 2})
+    assert main(["fit", "-c", str(recipe)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--ckpt", str(tmp_path / "runs" / "x" / "checkpoints" / "last.ckpt"), "--format",
+                 "ctranslate2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "model.norm='rmsnorm' (needs 'layernorm')" in err and "model.ffn='swiglu'" in err
+    assert not (tmp_path / "out").exists()
