@@ -37,6 +37,7 @@ SKIP = {  # the start of a line -> why this test does not run it
     "attnlab ablate compare ablations/block_variants.yaml": "needs both 64-variant studies run "
                                                             "(tests/test_ablate_report.py compares two small ones)",
     "make ablate-demo": "the 18-minute run above",
+    "make scaling-demo": "36 models, 22 minutes (tests/test_ablate_scaling.py runs a scaling study on a stand-in)",
     "pip install optuna-dashboard": "installs from the network",
     "pip install 'attnlab[ctranslate2]'": "installs from the network (make test installs it with the dev extra)",
     "optuna-dashboard": "serves a dashboard",

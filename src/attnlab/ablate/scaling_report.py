@@ -176,7 +176,7 @@ def scaling_report(h: StudyHandle, out_dir: Path | None = None, resamples: int =
     tex = [r"\begin{tabular}{l" + "l" * (len(head) - 1) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
     tex += [" & ".join(latex_escape(str(r.get(k, ""))) for k in keys) + r" \\" for r in rows]
     paths[2].write_text("\n".join([*tex, r"\bottomrule", r"\end{tabular}"]) + "\n", encoding="utf-8")
-    plot_scaling(paths[3], h, curves, c_min, c_max)
+    plot_scaling(paths[3], h, curves, c_min, c_max, n)
     return "\n".join(lines), paths
 
 
@@ -201,9 +201,10 @@ def size_transfer(h: StudyHandle, curves: dict[str, Curve], sizes: list[str]) ->
     return f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}"
 
 
-def plot_scaling(path: Path, h: StudyHandle, curves: dict[str, Curve], c_min: float, c_max: float) -> None:
+def plot_scaling(path: Path, h: StudyHandle, curves: dict[str, Curve], c_min: float, c_max: float,
+                 n_seeds: int) -> None:
     """Log-log: each variant's points (every seed, at each size's best LR), its fit over [C_min, 100 C_max] and
-    the 95% band of the resampled fits' predictions (pointwise percentiles)."""
+    its 95% band, pointwise as the table's intervals are made (scaling.seed_interval over the resampled fits)."""
     fig = Figure(figsize=(6.4, 4.4))
     ax = fig.subplots()
     grid = np.geomspace(c_min, 100 * c_max, 200) if np.isfinite(c_max) else np.array([])
@@ -213,10 +214,12 @@ def plot_scaling(path: Path, h: StudyHandle, curves: dict[str, Curve], c_min: fl
         ax.scatter(compute, loss, s=14, color=color, label=c.name)
         if c.fit is not None:
             ax.plot(grid, c.fit(grid), color=color, lw=1.4)
-            preds = np.array([x(grid) for x in c.resampled if x is not None])
-            if len(preds) >= 10:
-                low, high = np.percentile(preds, [2.5, 97.5], axis=0)
-                ax.fill_between(grid, low, high, color=color, alpha=0.15, lw=0)
+            preds = np.array([x(grid) for x in c.resampled if x is not None])  # (resamples, points)
+            if len(preds) >= 2 and n_seeds >= 2:
+                fit = c.fit(grid)
+                bounds = np.array([seed_interval(float(f), list(col), n_seeds) for f, col in zip(fit, preds.T,
+                                                                                                 strict=True)])
+                ax.fill_between(grid, bounds[:, 0], bounds[:, 1], color=color, alpha=0.15, lw=0)
     if np.isfinite(c_max):
         ax.axvline(c_max, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")

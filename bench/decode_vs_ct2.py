@@ -1,0 +1,104 @@
+"""attnlab's decoding against CTranslate2 on a trained translation checkpoint, side by side in one process.
+
+    python bench/decode_vs_ct2.py --ckpt runs/demo_en_de/checkpoints/last.ckpt --threads 1,2
+    python bench/decode_vs_ct2.py --ckpt ... --device cuda --json $OUT/decode_ct2.json
+
+The checkpoint is exported with `attnlab export --format ctranslate2` (into a temporary folder), and both decode
+the sentences of the recipe's test split (or --limit of them): attnlab through `translate_lines` (what `attnlab
+test` and `translate` run), CTranslate2 through `Translator.translate_batch`, each with the recipe's beam and
+maximum length and fairseq's length penalty len^alpha with the recipe's alpha (the one CTranslate2 implements;
+CTranslate2's maximum length is one per batch: the largest of attnlab's a * source + b), fp32 on a CPU (float32
+compute in CTranslate2), greedy (beam 1) and beam 4, at each thread count
+(torch.set_num_threads; CTranslate2's intra_threads). Decode time only: sentences/s of the mean of --repeats
+passes after one warm-up pass. The share of sentences where both give the same tokens is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Env, need, print_table, run_row, write_json  # noqa: E402
+
+from attnlab.evaluate import load_module, load_tokenizer, run_dir_of, translate_lines  # noqa: E402
+from attnlab.experiment import load_experiment  # noqa: E402
+from attnlab.export_ct2 import export_ctranslate2  # noqa: E402
+from attnlab.train import prepare  # noqa: E402
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    return (time.perf_counter() - t0) / repeats, out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="a translation checkpoint whose variant exports (Marian's)")
+    p.add_argument("--threads", default="1,2", help="CPU thread counts, comma-separated")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--beams", default="1,4")
+    p.add_argument("--limit", type=int, default=0, help="at most this many test sentences (0: all)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    ctranslate2 = need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
+    transformers = need("transformers", "pip install 'attnlab[hf]'")
+    exp = load_experiment(run_dir_of(args.ckpt) / "config.yaml")
+    srcs, _ = prepare(exp)[0].split_texts("test")
+    srcs = srcs[: args.limit] if args.limit else srcs
+    module, tok = load_module(args.ckpt), load_tokenizer(args.ckpt)
+    module.decode_cfg = module.decode_cfg.replace(penalty="fairseq")  # the length penalty both implement
+    cfg = module.decode_cfg
+    device = torch.device(args.device)
+    env = Env(device, False, None, float("nan"))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_ctranslate2(args.ckpt, Path(tmp) / "ct2")
+        hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+        tokens = [hf_tok.convert_ids_to_tokens(hf_tok(s)["input_ids"]) for s in srcs]
+        limits = [int(cfg.max_len_a * len(t) + cfg.max_len_b) for t in tokens]
+        threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
+        for n in threads:
+            if n:
+                torch.set_num_threads(n)
+            translator = ctranslate2.Translator(str(folder), device=args.device, compute_type="float32",
+                                                intra_threads=n)
+            for beam in (int(b) for b in args.beams.split(",")):
+                base = {"threads": n or "-", "beam": beam, "sentences": len(srcs)}
+                ours: list[str] = []
+
+                def attnlab_row(beam=beam, ours=ours) -> dict:
+                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
+                                         args.repeats)
+                    ours[:] = out
+                    return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds}
+
+                def ct2_row(beam=beam, ours=ours, translator=translator) -> dict:
+                    def call():
+                        return [r.hypotheses[0] for r in translator.translate_batch(
+                            tokens, beam_size=beam, max_batch_size=cfg.batch_sentences,
+                            length_penalty=cfg.len_penalty, max_decoding_length=max(limits))]
+                    seconds, hyps = timed(call, args.repeats)
+                    text = [hf_tok.decode(hf_tok.convert_tokens_to_ids(h), skip_special_tokens=True) for h in hyps]
+                    same = sum(a == b for a, b in zip(ours, text, strict=False)) / len(srcs) if ours else None
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same}
+
+                run_row(rows, {**base, "row": f"attnlab beam {beam}"}, attnlab_row)
+                run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
+    print(print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
+                             ("sent/s", "sent_per_s"), ("same text", "same_text"), ("status", "status")]))
+    write_json(args.json, env, rows, sys.argv if argv is None else argv)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
