@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run_row(rows, {**base, "row": f"attnlab beam {beam}"}, attnlab_row)
                 run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
     print(print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
-                             ("sent/s", "sent_per_s"), ("same text", "same_text"), ("status", "status")]))
+                             ("sent_per_s", "sent/s"), ("same_text", "same text"), ("status", "status")]))
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 
