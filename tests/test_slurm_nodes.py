@@ -1,0 +1,268 @@
+"""attnlab on a SLURM cluster of two nodes: a fit as DDP (gloo) across both, its preemption and requeue, studies
+whose trials need both nodes or spread over them, sharing the suite's PostgreSQL server.
+
+The cluster (netns_cluster.py) is started once for this module: slurmctld and two slurmd, each in a network
+namespace of its own with its own address and hostname, on a bridge whose addresses exist only on this machine.
+Where namespaces cannot be made (not Linux, not root, no iproute2), the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from attnlab import cli
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect
+from attnlab.cli import main
+from attnlab.rundir import run_metrics
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+from netns_cluster import CONF, NODES, Network, Relay, can_make_namespaces, in_namespace  # noqa: E402
+from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
+from test_slurm import Cluster, binary, ensure_slurm, job_of, read_logs, stop, wait_for  # noqa: E402
+
+FAKE = "test_ablate_runner:fake_fit"
+STEPS = 150  # enough steps for USR1 to land mid-run after step 20
+
+
+@dataclass
+class TwoNodes(Cluster):
+    net: Network = None  # type: ignore[assignment]
+    hosts: Path = None  # type: ignore[assignment]
+    log: object = None
+
+    def node_states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split("\n")
+        return dict(line.split() for line in out if line.strip())
+
+    def nodelist(self, job: str) -> str:
+        r = self.run("scontrol", "-o", "show", "job", job, check=False)
+        return re.search(r"\bNodeList=(\S+)", r.stdout).group(1) if "NodeList=" in r.stdout else ""
+
+    def start_slurmd(self, node: str) -> subprocess.Popen:
+        return subprocess.Popen(in_namespace(self.net, node, self.hosts, [binary("slurmd"), "-D", "-N", node, "-f",
+                                                                          str(self.conf)]),
+                                stdout=self.log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    why = can_make_namespaces()
+    if why:
+        pytest.skip(f"the two-node SLURM tests need network namespaces: {why}")
+    ensure_slurm()
+    net = Network()
+    try:
+        net.create()
+    except OSError as e:
+        net.remove()
+        pytest.skip(f"the two-node SLURM tests need network namespaces, and making them failed: {e}")
+    d = tmp_path_factory.mktemp("slurm2")
+    for sub in ("state", "log", "munge", "key", *(f"spool_{n}" for n in NODES)):
+        (d / sub).mkdir()
+    (d / "key").chmod(0o700)
+    key = d / "key" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    conf = d / "slurm.conf"
+    conf.write_text(CONF.format(dir=d, prefix=net.prefix), encoding="utf-8")
+    old_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)  # every client (and job) of this module talks to this cluster
+    log = open(d / "log" / "daemons.out", "w")
+    cluster = TwoNodes(d, conf, net, net.hosts_file(d / "hosts"), log)
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen(
+            [binary("munged"), "-F", "--force", f"--socket={d}/munge/socket", f"--key-file={key}",
+             f"--pid-file={d}/munge/munged.pid", f"--seed-file={d}/munge/seed", f"--log-file={d}/log/munged.log"],
+            stdout=log, stderr=subprocess.STDOUT))
+        wait_for(lambda: (d / "munge" / "socket").exists(), 15, "munged did not create its socket", d)
+        procs.append(subprocess.Popen(in_namespace(net, "ctl", cluster.hosts, [binary("slurmctld"), "-D", "-f",
+                                                                              str(conf)]),
+                                      stdout=log, stderr=subprocess.STDOUT))
+        procs += [cluster.start_slurmd(n) for n in NODES]
+        wait_for(lambda: cluster.node_states() == {n: "idle" for n in NODES}, 60, "the nodes never became idle", d)
+        yield cluster
+    finally:
+        jobs = cluster.run("squeue", "-h", "-o", "%A", check=False).stdout.split() if procs else []
+        if jobs:
+            cluster.run("scancel", *sorted(set(jobs)), check=False)
+            wait_for(lambda: not cluster.run("squeue", "-h", check=False).stdout.strip(), 30, None, d)
+        stop(procs)
+        net.remove()
+        log.close()
+        if old_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old_conf
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The recipe the 2-node fits run, and its metrics from 2 local DDP processes (gloo) on this host."""
+    d = tmp_path_factory.mktemp("ddp2")
+    recipe = write_lm_recipe(d, max_steps=STEPS, ckpt_every=10, val_every=75, log_every=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "attnlab.cli", "fit", "-c", str(recipe), "--trainer.run_name",
+                        "reference", "--trainer.devices", "2", "--trainer.strategy", "ddp"], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return recipe, run_metrics(d / "runs" / "reference")
+
+
+def submit_fit(tmp_path: Path, recipe: Path) -> tuple[str, Path, Path]:
+    """`attnlab fit --slurm --nodes 2` (1 task each); returns the job id, the run directory and its log folder."""
+    assert cli.main(["fit", "-c", str(recipe), "--slurm", "--nodes", "2", "--trainer.devices", "1",
+                     "--trainer.runs_dir", str(tmp_path / "runs")]) == 0
+    run_dir = next((tmp_path / "runs").iterdir())
+    return job_of(run_dir / "slurm" / "jobs.jsonl"), run_dir, run_dir / "slurm" / "submit-001" / "logs"
+
+
+def assert_same_curves(run_dir: Path, ref: dict) -> None:
+    got = run_metrics(run_dir)
+    assert [s for s, _ in got["train/loss"]] == list(range(STEPS))
+    for col in ("train/loss", "train/grad_norm", "val/loss"):
+        assert got[col] == ref[col], col
+
+
+def assert_ran_on_both_nodes(log: str) -> None:
+    """Both tasks started, one per node, in one DDP world of 2 over gloo."""
+    assert "Starting with 2 processes" in log and "distributed_backend=gloo" in log, log
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "[attnlab task 0/2]" in log and "[attnlab task 1/2]" in log
+
+
+@pytest.mark.slow
+def test_a_fit_on_two_nodes_is_ddp_across_them_and_equals_two_local_processes(two_nodes, reference, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe, ref = reference
+    job, run_dir, logs = submit_fit(tmp_path, recipe)
+    assert two_nodes.wait(job, 240, logs) == {job: "COMPLETED"}, read_logs(logs)
+    assert two_nodes.nodelist(job) == "node[1-2]"
+    log = read_logs(logs)
+    assert_ran_on_both_nodes(log)
+    assert "num_nodes: 2" in (run_dir / "config.yaml").read_text()
+    assert_same_curves(run_dir, ref)
+
+
+@pytest.mark.slow
+def test_usr1_requeues_the_two_node_fit_and_it_resumes_to_the_uninterrupted_losses(two_nodes, reference, tmp_path,
+                                                                                   monkeypatch):
+    """USR1 to the batch shell (what SLURM sends before a preemption) reaches both tasks on both nodes through
+    srun; they save hpc_ckpt_1 at one step, the job is requeued, runs again on both nodes, and every rank resumes
+    from that checkpoint: every logged loss equals the uninterrupted 2-process run's."""
+    monkeypatch.chdir(tmp_path)
+    recipe, ref = reference
+    job, run_dir, logs = submit_fit(tmp_path, recipe)
+    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), 180,
+             f"the fit never reached step 20\n{read_logs(logs)}", two_nodes.dir)
+    two_nodes.run("scancel", "--signal=USR1", "--batch", job)
+    wait_for(lambda: two_nodes.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n{read_logs(logs)}",
+             two_nodes.dir)
+    two_nodes.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM's requeue hold is 2 minutes
+    assert two_nodes.wait(job, 240, logs) == {job: "COMPLETED"}, read_logs(logs)
+    assert two_nodes.nodelist(job) == "node[1-2]"
+
+    log = "\n".join(p.read_text(errors="replace") for p in sorted(logs.rglob("*.log")))
+    assert (run_dir / "hpc_ckpt_1.ckpt").is_file() and "restart 1" in log, log
+    starts = re.findall(r"\[attnlab task (\d)/2\] .*?; (from step 0|resuming from (\S+) \(global step (\d+)\))", log)
+    assert sorted(r for r, what, _, _ in starts if what == "from step 0") == ["0", "1"], log
+    resumed = {r: (path, int(step)) for r, what, path, step in starts if what != "from step 0"}
+    assert set(resumed) == {"0", "1"} and resumed["0"] == resumed["1"], f"the ranks resumed differently: {resumed}"
+    assert 20 <= resumed["0"][1] < STEPS, resumed
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == STEPS
+    assert_same_curves(run_dir, ref)
+
+
+# ---------------------------------------------------------------------------------------------- studies
+@pytest.fixture(scope="module")
+def pg_url(two_nodes, postgres):
+    """New databases on the suite's PostgreSQL server (`postgres`: on the host, listening on 127.0.0.1 only), which
+    the jobs reach over the bridge address through a relay: postgresql://attnlab@<bridge>:<relay port>/<db>."""
+    relay = Relay(two_nodes.net.host_addr, ("127.0.0.1", postgres.port))
+    relay.start()
+    n = iter(range(100))
+    try:
+        yield lambda: postgres.new_database(f"two_nodes_{os.getpid()}_{next(n)}").replace(
+            f"127.0.0.1:{postgres.port}", f"{two_nodes.net.host_addr}:{relay.port}")
+    finally:
+        relay.stop()
+
+
+def trials_by_point(h) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for t in h.study.get_trials():
+        out.setdefault(t.user_attrs["point_id"], []).append(t)
+    return out
+
+
+@pytest.mark.slow
+def test_a_study_of_two_node_trials_runs_every_point_once_on_postgresql(two_nodes, pg_url, tmp_path, monkeypatch):
+    """`ablate submit --nodes 2`: one worker, each trial an srun step of 2 tasks, one per node (DDP over gloo)."""
+    monkeypatch.chdir(tmp_path)
+    recipe = write_lm_recipe(tmp_path, max_steps=6, ckpt_every=3, log_every=1)
+    spec_path = tmp_path / "two_node.yaml"
+    spec_path.write_text(f"base: {recipe}\nfinal_eval: false\nmetric: {{name: val/loss, direction: min}}\n"
+                         "seeds: [1]\naxes:\n  model.norm: [layernorm, rmsnorm]\n", encoding="utf-8")
+    study_dir, url = tmp_path / "study", pg_url()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--storage", url, "--nodes", "2",
+                 "--workers", "1", "--heartbeat", "2", "--grace", "60", "--poll", "1"]) == 0
+    job = f"{job_of(study_dir / 'slurm' / 'jobs.jsonl')}_0"
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    assert two_nodes.wait(job, 300, logs) == {job: "COMPLETED"}, read_logs(logs)
+    assert two_nodes.nodelist(job) == "node[1-2]"
+    log = read_logs(logs)
+    assert log.count("Starting with 2 processes") == 2 and log.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 2, log
+
+    spec = load_spec(spec_path)
+    h = connect(spec, study_dir, url)
+    by_point = trials_by_point(h)
+    assert set(by_point) == {p.point_id for p in spec.points()}
+    for ts in by_point.values():
+        assert [t.state for t in ts] == [TrialState.COMPLETE], "each point ran once"
+        t = ts[0]
+        assert t.user_attrs["worker"].split(":")[0] == "node1", "the batch step runs on the first node"
+        assert t.user_attrs["config"]["trainer"]["num_nodes"] == 2
+        assert run_metrics(Path(t.user_attrs["run_dir"]))["train/loss"][-1][0] == 5
+
+
+@pytest.mark.slow
+def test_one_node_trials_spread_over_both_nodes_and_share_postgresql(two_nodes, pg_url, tmp_path, monkeypatch):
+    """4 points, an array of 2 one-node workers: one runs on each node (each node has 1 CPU, each worker asks for
+    1), both claim points from one PostgreSQL study, and every point runs once."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH")] if p))
+    monkeypatch.setenv("FAKE_SLEEP", "2")
+    spec_path = write_study(tmp_path, "name: spread\n" + GRID_4x2.replace("[1, 2]", "[1]"))
+    study_dir, url = tmp_path / "study", pg_url()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--storage", url, "--workers", "2",
+                 "--fit", FAKE, "--heartbeat", "1", "--grace", "30", "--poll", "0.5"]) == 0
+    array = job_of(study_dir / "slurm" / "jobs.jsonl")
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    assert two_nodes.wait(array, 180, logs) == {f"{array}_0": "COMPLETED", f"{array}_1": "COMPLETED"}, read_logs(logs)
+    assert {two_nodes.nodelist(f"{array}_{i}") for i in (0, 1)} == set(NODES)
+
+    spec = load_spec(spec_path)
+    h = connect(spec, study_dir, url)
+    by_point = trials_by_point(h)
+    assert set(by_point) == {p.point_id for p in spec.points()}
+    hosts = set()
+    for ts in by_point.values():
+        assert [t.state for t in ts] == [TrialState.COMPLETE], "each point ran once"
+        t = ts[0]
+        v = next(p.variant for p in spec.points() if p.point_id == t.user_attrs["point_id"])
+        assert t.value == fake_metric(spec.experiment(v.overrides, t.user_attrs["seed"]))
+        hosts.add(t.user_attrs["worker"].split(":")[0])
+    assert hosts == set(NODES), f"the trials ran on {hosts}"
+
