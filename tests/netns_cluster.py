@@ -6,6 +6,8 @@ with its own address and hostname, joined by a bridge whose addresses exist only
       namespace node1  10.A.B.11   hostname node1   slurmd (and every job step it starts)
       namespace node2  10.A.B.12   hostname node2   slurmd
 
+(each namespace's end of the bridge is called fabric0, so one GLOO_SOCKET_IFNAME serves every node).
+
 Each daemon runs under `nsenter --net` (its network namespace) and `unshare --mount --uts`: its own hostname, and
 a hosts file naming the three hosts bind-mounted over /etc/hosts in its own mount namespace only (gloo and
 Lightning resolve the node names SLURM gives them; the machine's /etc is never written). The namespaces have no
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 NODES = ("node1", "node2")
+IFNAME = "fabric0"  # the interface each namespace has on the bridge (GLOO_SOCKET_IFNAME names it)
 
 CONF = """\
 ClusterName=attnlabtwo
@@ -106,9 +109,10 @@ class Network:
             outer, inner = f"al{self.tag}h{i}", f"al{self.tag}c{i}"
             ip("link", "add", outer, "type", "veth", "peer", "name", inner)
             ip("link", "set", inner, "netns", ns)
+            ip("-n", ns, "link", "set", inner, "name", IFNAME)  # one name on every host, as on a real cluster
             ip("link", "set", outer, "master", self.bridge, "up")
-            ip("-n", ns, "addr", "add", f"{self.addrs[host]}/24", "dev", inner)
-            ip("-n", ns, "link", "set", inner, "up")
+            ip("-n", ns, "addr", "add", f"{self.addrs[host]}/24", "dev", IFNAME)
+            ip("-n", ns, "link", "set", IFNAME, "up")
             ip("-n", ns, "link", "set", "lo", "up")
 
     def hosts_file(self, path: Path) -> Path:

@@ -27,7 +27,7 @@ from attnlab.rundir import run_metrics
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
-from netns_cluster import CONF, NODES, Network, Relay, can_make_namespaces, in_namespace  # noqa: E402
+from netns_cluster import CONF, IFNAME, NODES, Network, Relay, can_make_namespaces, in_namespace  # noqa: E402
 from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
 from test_slurm import Cluster, binary, ensure_slurm, job_of, read_logs, stop, wait_for  # noqa: E402
 
@@ -141,10 +141,26 @@ def assert_ran_on_both_nodes(log: str) -> None:
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "[attnlab task 0/2]" in log and "[attnlab task 1/2]" in log
 
 
+def test_master_port_is_15000_plus_the_job_ids_last_four_digits_unless_set(monkeypatch):
+    """What the README and the job scripts say of Lightning's MASTER_PORT under SLURM."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert SLURMEnvironment().main_port == 18456
+    monkeypatch.setenv("SLURM_JOB_ID", "3456")
+    assert SLURMEnvironment().main_port == 18456, "ids that end alike share a port"
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    assert SLURMEnvironment().main_port == 23456
+
+
 @pytest.mark.slow
 def test_a_fit_on_two_nodes_is_ddp_across_them_and_equals_two_local_processes(two_nodes, reference, tmp_path,
                                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # what the job scripts tell a user to set on a cluster with several networks (sbatch passes them on)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", IFNAME)
+    monkeypatch.setenv("MASTER_PORT", str(20000 + os.getpid() % 10000))
     recipe, ref = reference
     job, run_dir, logs = submit_fit(tmp_path, recipe)
     assert two_nodes.wait(job, 240, logs) == {job: "COMPLETED"}, read_logs(logs)
