@@ -17,6 +17,9 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from attnlab import cli
+from attnlab.ablate.final import evaluate_run
+from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect, prepare_study
 from attnlab.checkpoints import checkpoint_step, loads
 from attnlab.experiment import load_experiment
 from attnlab.files import DiskFull
@@ -25,7 +28,7 @@ from attnlab.train import fit
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
-from test_ablate_runner import write_lm_recipe  # noqa: E402
+from test_ablate_runner import GRID_4x2, write_lm_recipe, write_study  # noqa: E402
 
 
 @pytest.fixture
@@ -103,3 +106,59 @@ def test_the_command_line_reports_a_full_disk_as_an_error_naming_the_folder(smal
     assert code == 1 and f"attnlab fit: error: no space left in {small_disk / 'runs' / 'full'}" in err, err
     assert "--ckpt-path last" in err
 
+
+
+def journal_attrs(spec, study_dir: Path) -> list[dict]:
+    """Every trial's user attrs, read by a fresh reader of the journal (as another worker reads it)."""
+    return [t.user_attrs for t in connect(spec, study_dir).study.get_trials()]
+
+
+@pytest.mark.parametrize("leave", [4096, 0], ids=["room-for-the-lock", "none"])
+def test_a_journal_append_on_a_full_disk_is_cut_back_and_the_study_reads_whole(leave, small_disk, tmp_path):
+    """With a page left, the lock file fits and the append is cut short by the disk (what optuna's own append
+    leaves torn, so that the next append corrupts the study); with none, taking the lock fails."""
+    spec = load_spec(write_study(tmp_path, GRID_4x2))
+    study_dir = small_disk / "study"
+    h = prepare_study(spec, study_dir)  # its journal: study_dir/journal.log
+    tid = h.storage.create_new_trial(h.study_id)
+    h.storage.set_trial_user_attr(tid, "before", 1)
+    journal = study_dir / "journal.log"
+    saved = journal.read_bytes()
+    fill(small_disk, leave=leave)
+    with pytest.raises(OSError) as e:  # a trial's curves: more than the page the journal's end has room in
+        h.storage.set_trial_user_attr(tid, "curves", "x" * 100_000)
+    assert journal.read_bytes() == saved, "the records before the failed append are whole, and nothing follows"
+    assert journal_attrs(spec, study_dir) == [{"before": 1}]
+    (small_disk / "filler").unlink()
+    h.storage.set_trial_user_attr(tid, "after", 2)  # space again: the next append lands on a line of its own
+    assert journal_attrs(spec, study_dir) == [{"before": 1, "after": 2}]
+    assert isinstance(e.value, DiskFull), repr(e.value)
+    message = str(e.value)
+    assert f"no space left in {study_dir} to write 1 record(s) to the study journal journal.log: it needs " in message
+    assert int(re.search(r"it needs ([\d,]+) bytes", message).group(1).replace(",", "")) > 100_000
+
+
+def test_a_record_torn_by_a_killed_writer_is_cut_before_the_next_append(tmp_path):
+    spec = load_spec(write_study(tmp_path, GRID_4x2))
+    h = prepare_study(spec, tmp_path / "study")
+    tid = h.storage.create_new_trial(h.study_id)
+    with open(tmp_path / "study" / "journal.log", "ab") as f:
+        f.write(b'{"op_code":8,"worker_id":"x","trial_id":0,"user_attr":{"ha')  # a write killed midway
+    h.storage.set_trial_user_attr(tid, "after", 2)
+    assert journal_attrs(spec, tmp_path / "study") == [{"after": 2}]
+
+
+def test_a_final_evaluation_on_a_full_disk_keeps_the_previous_files(small_disk, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_lm_recipe(tmp_path, max_steps=4, ckpt_every=4, log_every=1)
+    exp = load_experiment(recipe, {"trainer.runs_dir": str(small_disk / "runs"), "trainer.run_name": "ev",
+                                   "decode.average_last": 1})
+    run_dir = fit(exp)
+    evaluate_run(exp, run_dir)
+    eval_dir = run_dir / "eval"
+    saved = (eval_dir / "final.json").read_text()
+    fill(small_disk, leave=0)
+    with pytest.raises(DiskFull, match=re.escape(f"no space left in {eval_dir} to write final.json: it needs ")):
+        evaluate_run(exp, run_dir)
+    assert (eval_dir / "final.json").read_text() == saved
+    assert [p.name for p in eval_dir.iterdir()] == ["final.json"], "no temporary file left behind"

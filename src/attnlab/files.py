@@ -60,28 +60,50 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], size: Ca
                  what: str | None = None) -> None:
     """Write `path` whole (see the module docstring): `write(f)` fills the temporary file; `size()` says how many
     bytes the file needs, asked only when the disk was full."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(path.parent, ".*@*@*.tmp")
-    existed = path.exists()
-    tmp = path.with_name(stamped(f".{path.name}", ".tmp"))
+    write_group([(Path(path), write, size)], what)
+
+
+def write_group(files: list[tuple[Path, Callable[[BinaryIO], object], Callable[[], int]]],
+                what: str | None = None) -> None:
+    """Several files of one folder written whole and together: every one to its temporary file first, then all
+    renamed into place, so a full disk midway leaves every previous file as it was (a set that belongs together,
+    such as an evaluation's outputs and its scores, is never half old and half new)."""
+    done: list[tuple[Path, Path]] = []
+    existed = [path.exists() for path, _, _ in files]
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, write, _ in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_orphans(path.parent, ".*@*@*.tmp")
+            tmp = path.with_name(stamped(f".{path.name}", ".tmp"))
+            done.append((tmp, path))
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in done:
+            os.replace(tmp, path)
     except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        for tmp, _ in done:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         cause = disk_full_cause(e)
         if cause is None:
             raise
-        kept = f"The previous {path.name} is unchanged." if existed else f"No {path.name} was written."
-        raise disk_full(path.parent, what or path.name, size(), cause, kept) from e
+        names = ", ".join(path.name for path, _, _ in files)
+        if all(existed):
+            kept = f"The previous {names} {'is' if len(files) == 1 else 'are'} unchanged."
+        else:
+            kept = f"{'No' if not any(existed) else 'No new'} {names} {'was' if len(files) == 1 else 'were'} written."
+        needed = sum(size() for _, _, size in files)
+        raise disk_full(files[0][0].parent, what or names, needed, cause, kept) from e
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """A text file (UTF-8) written whole; DiskFull when it does not fit."""
-    data = text.encode("utf-8")
-    write_atomic(path, lambda f: f.write(data), lambda: len(data))
+    write_texts_atomic({Path(path): text})
+
+
+def write_texts_atomic(texts: dict[Path, str]) -> None:
+    """Text files (UTF-8) of one folder written whole and together (write_group)."""
+    data = [(path, text.encode("utf-8")) for path, text in texts.items()]
+    write_group([(path, lambda f, b=b: f.write(b), lambda b=b: len(b)) for path, b in data])
