@@ -59,13 +59,13 @@ AccountingStorageType=accounting_storage/none
 ReturnToService=2
 MpiDefault=none
 KillWait=5
-SlurmdTimeout=15
+SlurmdTimeout=30
 NodeName=node1 NodeHostname=node1 NodeAddr={prefix}.11 CPUs=1 RealMemory=4000 State=UNKNOWN
 NodeName=node2 NodeHostname=node2 NodeAddr={prefix}.12 CPUs=1 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 # CPUs=1 per node (the machine has 2 cores): a 1-task job fills a node, so two of them run on different nodes.
-# SlurmdTimeout=15: a node that stops answering is marked DOWN (and its jobs requeued) within seconds.
+# SlurmdTimeout=30: a node that stops answering for longer is marked DOWN (and its jobs requeued) within a minute.
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from attnlab.rundir import run_metrics
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 from netns_cluster import CONF, IFNAME, NODES, Network, Relay, can_make_namespaces, in_namespace  # noqa: E402
-from test_ablate_runner import GRID_4x2, fake_metric, write_lm_recipe, write_study  # noqa: E402
+from test_ablate_runner import GRID_4x2, fake_fit, fake_metric, read_calls, write_lm_recipe, write_study  # noqa: E402
 from test_slurm import Cluster, binary, ensure_slurm, job_of, read_logs, stop, wait_for  # noqa: E402
 
 FAKE = "test_ablate_runner:fake_fit"
@@ -40,6 +42,7 @@ class TwoNodes(Cluster):
     net: Network = None  # type: ignore[assignment]
     hosts: Path = None  # type: ignore[assignment]
     log: object = None
+    daemons: list = None  # type: ignore[assignment]
 
     def node_states(self) -> dict[str, str]:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split("\n")
@@ -50,9 +53,11 @@ class TwoNodes(Cluster):
         return re.search(r"\bNodeList=(\S+)", r.stdout).group(1) if "NodeList=" in r.stdout else ""
 
     def start_slurmd(self, node: str) -> subprocess.Popen:
-        return subprocess.Popen(in_namespace(self.net, node, self.hosts, [binary("slurmd"), "-D", "-N", node, "-f",
+        proc = subprocess.Popen(in_namespace(self.net, node, self.hosts, [binary("slurmd"), "-D", "-N", node, "-f",
                                                                           str(self.conf)]),
                                 stdout=self.log, stderr=subprocess.STDOUT)
+        self.daemons.append(proc)
+        return proc
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +84,8 @@ def two_nodes(tmp_path_factory):
     old_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)  # every client (and job) of this module talks to this cluster
     log = open(d / "log" / "daemons.out", "w")
-    cluster = TwoNodes(d, conf, net, net.hosts_file(d / "hosts"), log)
     procs: list[subprocess.Popen] = []
+    cluster = TwoNodes(d, conf, net, net.hosts_file(d / "hosts"), log, procs)
     try:
         procs.append(subprocess.Popen(
             [binary("munged"), "-F", "--force", f"--socket={d}/munge/socket", f"--key-file={key}",
@@ -90,7 +95,8 @@ def two_nodes(tmp_path_factory):
         procs.append(subprocess.Popen(in_namespace(net, "ctl", cluster.hosts, [binary("slurmctld"), "-D", "-f",
                                                                               str(conf)]),
                                       stdout=log, stderr=subprocess.STDOUT))
-        procs += [cluster.start_slurmd(n) for n in NODES]
+        for n in NODES:
+            cluster.start_slurmd(n)  # appended to procs
         wait_for(lambda: cluster.node_states() == {n: "idle" for n in NODES}, 60, "the nodes never became idle", d)
         yield cluster
     finally:
@@ -282,3 +288,91 @@ def test_one_node_trials_spread_over_both_nodes_and_share_postgresql(two_nodes, 
         hosts.add(t.user_attrs["worker"].split(":")[0])
     assert hosts == set(NODES), f"the trials ran on {hosts}"
 
+
+
+# ---------------------------------------------------------------------------------------------- a node stops
+STALL_FIT = "test_slurm_nodes:stepping_fit"
+
+
+def stepping_fit(exp, ckpt_path=None):
+    """A fake fit that makes progress only while it runs, as training does: 60 steps of 0.1 s, each appending a line
+    (its pid) to <run dir>/progress.log, the stand-in for the metrics and checkpoints a fit writes; then the result
+    files of test_ablate_runner's fake fit. A process stopped midway still has its remaining steps to do when it
+    is woken."""
+    run_dir = exp.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(60):
+        time.sleep(0.1)
+        with open(run_dir / "progress.log", "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+    return fake_fit(exp, ckpt_path)
+
+
+def running_on(h, host: str):
+    """The RUNNING trial whose worker runs on `host`, or None."""
+    return next((t for t in h.study.get_trials(states=(TrialState.RUNNING,))
+                 if t.user_attrs["worker"].startswith(f"{host}:")), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["woken", "killed"])
+def test_a_node_that_stops_answering_has_its_trial_retried_elsewhere_exactly_once(then, two_nodes, pg_url, tmp_path,
+                                                                                 monkeypatch):
+    """Two workers, one per node, each inside a trial. node1 stops answering: every process in its namespace
+    (slurmd, the job's shell, the worker, the trial's srun step) gets SIGSTOP, for longer than the heartbeat's
+    grace period. The worker on node2 finishes its point, declares node1's trial lost and runs that point again.
+    Then node1 dies (SIGKILL to all of it; its slurmd restarts, as after a reboot) or wakes up (SIGCONT): the woken
+    worker finds its trial taken over, kills its step before that writes its result, and records nothing. Either
+    way each point has one result, and node1's point exactly two attempts: the lost one and the retry on node2."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH")] if p))
+    spec_path = write_study(tmp_path, "name: stall\nseeds: [1]\nbudget: {steps: 10}\naxes:\n"
+                                      "  model.norm: [layernorm, rmsnorm]\n")
+    study_dir, url = tmp_path / "study", pg_url()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--storage", url, "--workers", "2",
+                 "--fit", STALL_FIT, "--heartbeat", "1", "--grace", "3", "--poll", "0.5"]) == 0
+    array = job_of(study_dir / "slurm" / "jobs.jsonl")
+    logs = study_dir / "slurm" / "submit-001" / "logs"
+    spec = load_spec(spec_path)
+    h = connect(spec, study_dir, url)
+    def stepping(host: str) -> bool:  # a trial of host's worker has made 5 steps
+        t = running_on(h, host)
+        progress = Path(t.user_attrs.get("run_dir", "/nonexistent")) / "progress.log" if t else None
+        return progress is not None and progress.is_file() and len(progress.read_text().split()) >= 5
+
+    wait_for(lambda: stepping("node1") and running_on(h, "node2"), 90,
+             f"the workers never both ran a trial\n{read_logs(logs)}", two_nodes.dir)
+    stalled = running_on(h, "node1")
+    two_nodes.net.signal("node1", signal.SIGSTOP)
+    try:
+        def retried() -> bool:
+            return any(t.state == TrialState.COMPLETE and t.user_attrs["worker"].startswith("node2:")
+                       for t in trials_by_point(h)[stalled.user_attrs["point_id"]])
+        wait_for(retried, 90, f"node2 never ran node1's point again\n{read_logs(logs)}", two_nodes.dir)
+    finally:
+        two_nodes.net.signal("node1", signal.SIGKILL if then == "killed" else signal.SIGCONT)
+    on_node1 = f"{array}_0" if two_nodes.nodelist(f"{array}_0") == "node1" else f"{array}_1"
+    if then == "killed":
+        two_nodes.start_slurmd("node1")  # the node comes back, as after a reboot
+        two_nodes.run("scancel", on_node1)
+    states = two_nodes.wait(array, 60, logs, done=("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"))
+    log = read_logs(logs)
+    assert states[on_node1] == ("CANCELLED" if then == "killed" else "COMPLETED"), (states, log)
+    if then == "woken":
+        assert f"trial (id {stalled._trial_id}) was declared lost by another worker, which runs it again" in log, log
+
+    by_point = trials_by_point(connect(spec, study_dir, url))
+    assert set(by_point) == {p.point_id for p in spec.points()}
+    for pid, ts in by_point.items():
+        assert [t.state for t in ts].count(TrialState.COMPLETE) == 1, f"{pid}: one result"
+    lost, retry = sorted(by_point[stalled.user_attrs["point_id"]], key=lambda t: t.number)
+    assert lost.number == stalled.number and lost.state == TrialState.FAIL and "lost_at" in lost.user_attrs
+    assert "metric" not in lost.user_attrs and "final" not in lost.user_attrs, "the stalled worker recorded nothing"
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["worker"].startswith("node2:")
+    assert retry.user_attrs["attempt"] == 2
+    ends = [c for c in read_calls(study_dir)[1] if c["hash"] == retry.user_attrs["config_hash"]]
+    assert len(ends) == 1, f"one fit of that point wrote its result: {ends}"
+    progress = (Path(retry.user_attrs["run_dir"]) / "progress.log").read_text().split()
+    assert progress.count(str(ends[0]["pid"])) == 60, "the retry ran all its steps"
+    stale = [p for p in progress if p != str(ends[0]["pid"])]
+    assert 0 < len(stale) < 60, "the stalled fit made some progress, and never finished"
