@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 LOCALE_DE = Path("/usr/share/locale/de/LC_MESSAGES")
-pytest_plugins = ["skip_summary", "pytester"]  # the closing line of skips by reason; pytester for its own test
+# the closing line of skips by reason; pytester for its own test; the real PostgreSQL server every module shares
+pytest_plugins = ["skip_summary", "pytester", "pg_server"]
 
 
 def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:

@@ -12,9 +12,7 @@ before `attnlab_format` existed (layout 1) are migrated when loaded, by `load_ch
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .config import ConfigError, ModelConfig
-from .leftovers import remove_orphans, stamped
+from .files import write_atomic
 
 log = logging.getLogger("attnlab")
 FORMAT = 2  # the layout this code writes (see the module docstring for what changed from 1)
@@ -33,23 +31,32 @@ DATAMODULE_KEYS = ("TranslationDataModule", "LMDataModule")  # where Lightning k
 
 # ---------------------------------------------------------------------------------------------- saving
 def save_atomic(obj: Any, path: str | Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, then os.replace: readers see the old file or the
-    new one, never half of one; a kill while saving leaves the previous checkpoint intact, and its temporary
-    file (named by its owner) is removed by the next save beside it once that process is gone."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(path.parent, ".*@*@*.tmp")
-    tmp = path.with_name(stamped(f".{path.name}", ".tmp"))
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """torch.save to a temporary file beside `path`, fsync, then os.replace (files.write_atomic): readers see the
+    old file or the new one, never half of one; a kill while saving leaves the previous checkpoint intact, and its
+    temporary file (named by its owner) is removed by the next save beside it once that process is gone. A full
+    disk raises files.DiskFull naming the folder and the checkpoint's size, the previous checkpoint intact."""
+    write_atomic(path, lambda f: torch.save(obj, f), lambda: serialized_size(obj), f"checkpoint {Path(path).name}")
+
+
+class _Count:
+    """A write-only file that only counts the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data: bytes) -> int:
+        self.n += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def serialized_size(obj: Any) -> int:
+    """The bytes torch.save writes for obj (serialized again into a counter: asked only after a save failed)."""
+    counter = _Count()
+    torch.save(obj, counter)  # type: ignore[arg-type]
+    return counter.n
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -41,6 +41,7 @@ from .evaluate import (
 from .experiment import load_experiment, parse_value
 from .export import export_hf
 from .export_ct2 import export_ctranslate2
+from .files import DiskFull
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
 from .train import fit, make_trainer, prepare
@@ -456,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except DiskFull as e:  # what was saved before is whole: the message says where and how much space it needs
+        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

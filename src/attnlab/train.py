@@ -30,6 +30,7 @@ from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
 from .experiment import Experiment
+from .files import DiskFull
 from .intervals import StretchIntervals, saved_steps
 from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
@@ -215,6 +216,12 @@ def find_resume(run_dir: Path, ckpt_path: str | None) -> str | None:
     return ckpt_path
 
 
+def resume_hint(e: DiskFull) -> DiskFull:
+    """A checkpoint that found the disk full: the run stops, saying how it continues once there is space."""
+    return DiskFull(e.errno, f"{e} Free space there (or set trainer.runs_dir elsewhere) and continue the run "
+                             "from its last checkpoint with --ckpt-path last.")
+
+
 def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict | None = None,
         callbacks: list[Callback] | None = None) -> Path:
     """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
@@ -258,6 +265,8 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         log.warning("SIGTERM at step %d: state saved to %s; continue with --ckpt-path last", trainer.global_step,
                     run_dir / "checkpoints" / "last.ckpt")
         raise SystemExit(128 + signal.SIGTERM) from None
+    except DiskFull as e:
+        raise resume_hint(e) from e
     finally:
         for logger in trainer.loggers:  # a W&B run stays open until finished: the next fit in this process would
             if isinstance(logger, WandbLogger) and trainer.global_rank == 0:  # log into it

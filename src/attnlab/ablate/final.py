@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from ..checkpoints import average_checkpoints, last_checkpoints
 from ..evaluate import decode_dtype, load_module, score, translate_lines
 from ..experiment import Experiment, load_experiment
+from ..files import write_texts_atomic
 from ..train import make_trainer, prepare
 from .study import DONE, StudyHandle, final_scores, point_states
 
@@ -41,8 +42,13 @@ def one_line(text: str) -> str:
     return text.replace("\r", " ").replace("\n", " ").rstrip()
 
 
+def lines_text(lines: list[str]) -> str:
+    return "".join(f"{line}\n" for line in lines)
+
+
 def write_lines(path: Path, lines: list[str]) -> None:
-    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    """A .hyp / .ref file, one segment a line, written whole (files.write_texts_atomic)."""
+    write_texts_atomic({path: lines_text(lines)})
 
 
 def read_lines(path: Path) -> list[str]:
@@ -79,7 +85,7 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
         metrics = run(module, datamodule=dm, verbose=False)[0]
         out[f"{split}_loss"], out[f"{split}_ppl"] = float(metrics[f"{stage}/loss"]), float(metrics[f"{stage}/ppl"])
     eval_dir = run_dir / "eval"
-    eval_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[Path, str] = {}  # written together at the end, whole (a full disk leaves the previous ones)
     if translation:
         device = torch.device(eval_device(exp))
         for split in SPLITS:
@@ -87,8 +93,7 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
             hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=device,
                                    dtype=decode_dtype(device, exp.trainer.precision))  # the recipe's dtype
             hyps, refs = [one_line(h) for h in hyps], [one_line(r) for r in refs]
-            write_lines(eval_dir / f"{split}.hyp", hyps)
-            write_lines(eval_dir / f"{split}.ref", refs)
+            files[eval_dir / f"{split}.hyp"], files[eval_dir / f"{split}.ref"] = lines_text(hyps), lines_text(refs)
             scores = score(hyps, refs, exp.data.tgt_lang)  # sacreBLEU's tokenizer for the target language
             out[f"{split}_bleu"], out[f"{split}_chrf"] = scores["bleu"], scores["chrf"]
             out["bleu_signature"], out["chrf_signature"] = scores["bleu_signature"], scores["chrf_signature"]
@@ -96,7 +101,8 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
     out["checkpoints"] = [str(p) for p in paths]
     out["eval_dir"] = str(eval_dir)
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    (eval_dir / "final.json").write_text(json.dumps(out, indent=2), encoding="utf-8")
+    files[eval_dir / "final.json"] = json.dumps(out, indent=2)
+    write_texts_atomic(files)
     return out
 
 

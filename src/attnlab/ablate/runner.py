@@ -59,7 +59,7 @@ from optuna.trial import TrialState
 from ..checkpoints import checkpoint_step, latest_checkpoint
 from ..config import ConfigError, ModelConfig, load_yaml
 from ..experiment import Experiment
-from ..launch.job import DEFAULT_FIT, FitFn, job_identity, local_fit, resolve_fit
+from ..launch.job import DEFAULT_FIT, FitFn, job_identity, kill_steps, local_fit, resolve_fit
 from ..leftovers import owner
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
@@ -273,15 +273,31 @@ class Heartbeat(threading.Thread):
             try:
                 self.storage.set_trial_user_attr(self.trial_id, "heartbeat", time.time())
             except UpdateFinishedTrialError:
-                self.lost = True
-                log.warning("trial (id %d) was declared lost by another worker; its result will be discarded",
-                            self.trial_id)
+                self.lost = taken_over(self.storage, self.trial_id)
                 return
             except Exception as e:  # a busy database: try again at the next beat
                 log.warning("heartbeat of trial id %d failed: %s", self.trial_id, e)
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def declared_lost(storage: BaseStorage, trial_id: int) -> bool:
+    """Whether another worker declared this trial lost (`fail_stale`: no heartbeat for the grace period, as when
+    this worker's node stopped answering) and so runs its point again."""
+    return "lost_at" in storage.get_trial(trial_id).user_attrs
+
+
+def taken_over(storage: BaseStorage, trial_id: int) -> bool:
+    """After a heartbeat found its trial finished: whether it was declared lost rather than finished by this
+    worker. Then its trial steps are killed at once (launch.job.kill_steps), so the stalled run writes no more
+    checkpoints or metrics into the run directory its retry now uses; `run_claim` records nothing of it."""
+    if not declared_lost(storage, trial_id):
+        return False
+    n = kill_steps()
+    log.warning("trial (id %d) was declared lost by another worker, which runs it again; %s, and its result is "
+                "discarded", trial_id, f"killed its {n} step(s)" if n else "it runs in this process")
+    return True
 
 
 def _finish(h: StudyHandle, trial_id: int, state: TrialState, attrs: dict[str, Any],
@@ -391,6 +407,8 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, eval
         t0 = time.perf_counter()
         try:
             out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
+            if beat.lost or declared_lost(h.storage, claim.trial_id):  # taken over while this worker was
+                return "lost"  # stalled: no result and no final evaluation (its files are the retry's)
             run_dir = Path(out) if out else run_dir
             result = collect(run_dir, exp, h.spec.metric, cost)
             result["wall_s"] = time.perf_counter() - t0  # training; the final evaluation's time is its own
@@ -400,7 +418,7 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, eval
             _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
             raise
         except Exception as e:
-            return _error(h, claim, e)
+            return "lost" if beat.lost else _error(h, claim, e)  # a step killed because its trial was taken over
         metric = h.spec.metric
         value = result["final"].get(metric.removeprefix("final/")) if metric.startswith("final/") else result["metric"]
         if value is None or not math.isfinite(value):

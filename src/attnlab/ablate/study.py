@@ -22,11 +22,11 @@ from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
 from ..config import ConfigError, load_yaml
 from ..leftovers import owner, owner_alive, stamped
+from .journal import WholeJournalFile
 from .spec import AblationSpec, load_spec
 
 log = logging.getLogger("attnlab.ablate")
@@ -150,10 +150,10 @@ class OwnedLock:
 
 
 def open_storage(url: str) -> BaseStorage:
-    if "://" not in url:  # a journal file (shared file systems: one appended log, an O_EXCL lock file)
+    if "://" not in url:  # a journal file (shared file systems: one appended log, an O_EXCL lock file; journal.py)
         path = Path(url).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=OwnedLock(f"{path}.lock")))  # type: ignore[arg-type]
+        return JournalStorage(WholeJournalFile(str(path), lock_obj=OwnedLock(f"{path}.lock")))
     if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
         return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):

@@ -126,6 +126,23 @@ class StepFit:
         return run_dir
 
 
+def kill_steps() -> int:
+    """Stop the trial steps this worker runs, at once and saving nothing: their trial was declared lost while this
+    worker was stalled (its node stopped answering), and another worker runs it again in the same run directory.
+    An srun step is killed by SLURM on every node it runs on (`scancel --signal=KILL <job>.<step>`); a local one by
+    SIGKILL. Returns how many steps there were."""
+    procs = list(_RUNNING)
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and any(p.args and p.args[0] == "srun" for p in procs):
+        r = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=60)
+        steps = [s for s in r.stdout.split() if s.rpartition(".")[2].isdigit()]  # not <job>.batch / .extern
+        if steps:
+            subprocess.call(["scancel", "--signal=KILL", *steps])
+    for proc in procs:
+        proc.kill()
+    return len(procs)
+
+
 def local_fit(inner: str) -> FitFn:
     """What a local worker trains a trial with: `inner` in this process when the trial uses one device, a
     StepFit subprocess when it uses several (see StepFit)."""
