@@ -119,7 +119,7 @@ def law_fit(exp, ckpt_path=None):
 def test_a_scale_ladder_and_lr_search_make_the_grid_and_each_size_its_budget(tmp_path):
     spec = load_spec(write_study(tmp_path, SIZES, base=BASE))
     assert spec.lrs == (5e-4, 1e-3, 2e-3) and [v.name for v in spec.sizes] == ["S", "M", "L", "XL"]
-    assert len(spec.variants()) == 2 * 4 * 3 and len(spec.points()) == 48
+    assert len(spec.variants()) == 3 * 4 * 3 and len(spec.points()) == 72
     v = spec.variants()[0]
     assert v.name == "scale=S ffn=gelu lr=0.0005" and v.overrides["model.d_ff"] == 128
     exp = trial_experiment(spec, tmp_path / "s", {**v.overrides}, 1)
