@@ -131,7 +131,7 @@ def test_a_scale_ladder_and_lr_search_make_the_grid_and_each_size_its_budget(tmp
     bad = [("lr: {points: 1, spread: 2}\n", "lr: points must be an int >= 2"),
            ("scale: {sizes: [{name: S, model.d_model: 32}], budget: {tokens: 1}}\n", "at least 2 sizes"),
            (SIZES.replace("tokens_per_param: 2", "steps: 2"), "scale.budget: expected one of"),
-           (SIZES.replace("model.ffn: [gelu, swiglu]", "model.d_model: [32, 64]"), "are set by scale: or lr:"),
+           (SIZES.replace("model.ffn: [gelu, swiglu, relu]", "model.d_model: [32, 64]"), "are set by scale: or lr:"),
            ("budget: {steps: 5}\n" + SIZES, "remove budget:")]
     for body, message in bad:
         with pytest.raises(ConfigError, match=re.escape(message)):
