@@ -319,7 +319,6 @@ def _sigterm_when_logged(proc: subprocess.Popen, metrics: Path, step: int, out: 
 def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
     """`attnlab fit` killed with SIGTERM in the middle of its second epoch saves the exact state and exits 143;
     `fit --ckpt_path last` then continues it, and every per-step value equals the uninterrupted run's."""
-    from attnlab.cli import main
 
     monkeypatch.chdir(tmp_path)
     small = {"max_tokens": 512}  # small batches: many cheap steps, so the kill lands well inside an epoch
@@ -335,13 +334,19 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     watcher = threading.Thread(target=_sigterm_when_logged,
                                args=(proc, tmp_path / "runs" / "cut" / "logs" / "metrics.csv", kill_after, watch))
     watcher.start()
+    # Meanwhile the uninterrupted run, also a CLI process with the same environment: the runs compared bit for bit
+    # are never one in this pytest process and one outside it (a suite's earlier tests can leave process-wide
+    # state behind; a CI run once saw last-bit differences from step 10 between the two).
+    full_cmd = [*cmd[:-1], "full"]
     try:
-        full_dir = fit(load_experiment(recipe, {"trainer.run_name": "full"}))  # meanwhile, uninterrupted
+        ran = subprocess.run(full_cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         output, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
         watcher.join()
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    full_dir = tmp_path / "runs" / "full"
     assert "signalled_after" in watch, f"the run ended before it could be killed:\n{output[-3000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     cut_dir = tmp_path / "runs" / "cut"
@@ -355,7 +360,9 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     partial = read_metrics(cut_dir / "logs" / "metrics.csv")
     assert max(partial["train/loss"]) == stopped - 1
 
-    assert main(["fit", "-c", str(recipe), "--trainer.run_name", "cut", "--ckpt_path", "last"]) == 0
+    resumed = subprocess.run([*cmd, "--ckpt_path", "last"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert (cut_dir / "logs" / "metrics.part0.csv").is_file()  # the first attempt's rows, kept
     full = read_metrics(full_dir / "logs" / "metrics.csv")
     cut = read_run(cut_dir)
