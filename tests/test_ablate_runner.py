@@ -43,7 +43,7 @@ from attnlab.cli import main
 from attnlab.config import ConfigError
 from attnlab.evaluate import score
 from attnlab.leftovers import owner
-from attnlab.rundir import keep_metrics, run_metrics
+from attnlab.rundir import keep_metrics, mark_fit_done, run_metrics
 from attnlab.train import fit
 from conftest import make_pairs
 
@@ -101,6 +101,7 @@ def fake_fit(exp, ckpt_path=None):
     (run_dir / "config.yaml").write_text(exp.to_yaml(), encoding="utf-8")
     with open(calls, "a", encoding="utf-8") as f:
         f.write(json.dumps({"hash": exp.config_hash(), "pid": os.getpid(), "end": time.time()}) + "\n")
+    mark_fit_done(run_dir, exp.trainer.max_steps)  # what train.fit does last
     return run_dir
 
 

@@ -9,6 +9,7 @@ test gets a database of its own.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -111,41 +113,62 @@ def in_fit(study_dir: Path) -> set[int]:
     return {c["pid"] for c in starts if (c["pid"], c["hash"]) not in done}
 
 
-def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, seconds: float, rng: random.Random
-          ) -> dict:
-    """n_workers worker processes; every 1.5-3.5 s one of those inside a trial, at random, is SIGKILLed and a new
-    one started in its place, for `seconds`; then the workers finish calmly. Returns what happened."""
+def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, seconds: float, rng: random.Random,
+          moments: list[str]) -> dict:
+    """n_workers worker processes under two kinds of kills for `seconds`, each dead worker replaced by a new one:
+    - every 1.5-3.5 s, one of those inside a fit, at random, is SIGKILLed from outside;
+    - every other worker started dies by its own hand (ablate/faults.py) at the next of `moments` in turn, at
+      its n-th visit there (n at random: 1-2 for the claim and recording moments, up to 40 for journal and
+      database writes), where an outside kill rarely lands: in the claim, between the fit's end and COMPLETE,
+      with the journal's or the database's lock held.
+    Then the workers finish calmly. Returns what happened; every worker must end with status 0."""
     h = prepare_study(spec, study_dir, storage)
     cmd = worker_command(h.spec.path, h.dir, h.url, opts)
     logs = study_dir / "worker-logs"
     logs.mkdir()
+    die_log = study_dir / "deaths.jsonl"
+    upto = {"claim": 2, "fit_done": 2, "recording": 2, "journal_write": 40, "db_commit": 40}
+    started, kills, planned = 0, 0, 0
 
-    def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen(cmd, stdout=open(logs / f"{i:03d}.log", "w"), stderr=subprocess.STDOUT)
+    def start(storming: bool) -> subprocess.Popen:
+        nonlocal started, planned
+        env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_DIE_AT"}
+        if storming and started % 2 == 0:  # every other worker: a death planned at a moment of its work
+            moment = moments[planned % len(moments)]
+            env.update(ATTNLAB_DIE_AT=f"{moment}:{rng.randint(1, upto[moment])}", ATTNLAB_DIE_LOG=str(die_log))
+            planned += 1
+        started += 1
+        return subprocess.Popen(cmd, env=env, stdout=open(logs / f"{started:03d}.log", "w"), stderr=subprocess.STDOUT)
 
     t0 = time.time()
-    procs = [start(i) for i in range(n_workers)]
-    started, kills = n_workers, 0
+    procs = [start(True) for _ in range(n_workers)]
+    ours: set[int] = set()  # pids this storm killed
     try:
         while not read_calls(study_dir)[0] and time.time() - t0 < 180:
-            time.sleep(0.2)  # the storm starts with the first fit (a worker's imports take seconds)
+            time.sleep(0.2)  # the outside kills start with the first fit (a worker's imports take seconds)
         storm_start = time.time()
-        while time.time() - storm_start < seconds:
-            time.sleep(rng.uniform(1.5, 3.5))
-            if all(p.poll() is not None for p in procs):
-                break  # the study finished inside the storm
-            busy = in_fit(study_dir)
-            targets = [p for p in procs if p.poll() is None and p.pid in busy]
-            if not targets:
-                continue  # still starting: a kill now would only cost an import
-            victim = rng.choice(targets)
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
-            kills += 1
-            procs[procs.index(victim)] = start(started)
-            started += 1
-        storm_end = time.time()
-        codes = [p.wait(timeout=240) for p in procs]
+        storm_end = storm_start + seconds
+        next_kill = storm_start + rng.uniform(1.5, 3.5)
+        while any(p.poll() is None for p in procs):
+            assert time.time() - t0 < 600, "the study did not finish in 10 minutes"
+            now = time.time()
+            for i, p in enumerate(procs):
+                if p.poll() == -signal.SIGKILL and p.pid not in ours:  # it died where it planned to: replace it
+                    ours.add(p.pid)
+                    procs[i] = start(now < storm_end)
+            if storm_end > now >= next_kill:
+                next_kill = now + rng.uniform(1.5, 3.5)
+                busy = in_fit(study_dir)
+                targets = [p for p in procs if p.poll() is None and p.pid in busy]
+                if targets:  # none: still starting, a kill now would only cost an import
+                    victim = rng.choice(targets)
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait()
+                    ours.add(victim.pid)
+                    kills += 1
+                    procs[procs.index(victim)] = start(True)
+            time.sleep(0.1)
+        codes = [p.wait() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -153,22 +176,28 @@ def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, se
                 p.wait()
     wall = time.time() - t0
     assert codes == [0] * n_workers, "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.iterdir()))
-    return {"kills": kills, "wall_s": wall, "storm_s": storm_end - storm_start, "workers_started": started}
+    deaths = [json.loads(x) for x in die_log.read_text().splitlines()] if die_log.exists() else []
+    return {"kills": kills, "deaths": deaths, "wall_s": wall, "storm_s": min(time.time(), storm_end) - storm_start,
+            "workers_started": started}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["journal", "postgresql"])
 def test_a_kill_storm_loses_and_duplicates_nothing(kind, tmp_path, worker_env, monkeypatch, request, capsys):  # noqa: F811
-    """8 workers over 96 points with a fast fake fit, a random worker SIGKILLed every 1-3 s and replaced for
-    STORM_S seconds: every point ends with exactly one COMPLETE trial, no trial is left RUNNING, and the table is
-    the calm run's."""
+    """8 workers over 96 points with a fast fake fit, killed from outside inside fits and by their own hand in the
+    claim, between the fit's end and COMPLETE, and with the journal's or database's lock held (`storm`), for
+    STORM_S seconds: every point ends with exactly one COMPLETE trial and exactly one fit that ran to its end (a
+    point whose fit had ended is collected, not fitted again), no claim is a duplicate, no trial is left RUNNING,
+    and the table is the calm run's."""
     monkeypatch.setenv("FAKE_SLEEP", str(FIT_S))
     storage = storage_for(kind, tmp_path, request)
     spec = load_spec(write_study(tmp_path, GRID_96))
     assert len(spec.points()) == 96
     opts = Options(fit=FAKE, heartbeat_s=1, grace_s=4, poll_s=0.3)
     study_dir = tmp_path / "storm"
-    got = storm(spec, study_dir, storage, opts, n_workers=8, seconds=STORM_S, rng=random.Random(18))
+    lock_moment = "journal_write" if kind == "journal" else "db_commit"
+    moments = ["claim", "fit_done", lock_moment, "recording"]
+    got = storm(spec, study_dir, storage, opts, n_workers=8, seconds=STORM_S, rng=random.Random(18), moments=moments)
 
     h = connect(spec, study_dir)
     trials = h.study.get_trials(deepcopy=False)
@@ -179,10 +208,17 @@ def test_a_kill_storm_loses_and_duplicates_nothing(kind, tmp_path, worker_env, m
         assert [t.state for t in ts].count(TrialState.COMPLETE) == 1, "lost or counted twice"
     lost = [t for t in trials if t.state == TrialState.FAIL and "lost_at" in t.user_attrs]
     dup = [t for t in trials if t.user_attrs.get("status") == "duplicate"]
+    reused = [t for t in trials if t.user_attrs.get("fit_reused")]
     retried = sum(len([t for t in ts if t.user_attrs.get("status") != "duplicate"]) > 1 for ts in by_point.values())
-    assert got["kills"] >= STORM_S / 5 and len(lost) >= got["kills"] / 2, got  # it happened, and hit running trials
+    died = Counter(d["moment"] for d in got["deaths"])
+    assert got["kills"] >= 3 and len(lost) >= got["kills"] / 2, got  # it happened, and hit running trials
+    assert all(died[m] >= 1 for m in moments), died  # every moment was hit
+    assert not dup, f"{len(dup)} duplicate claims"
     starts, ends = read_calls(study_dir)
-    assert len({e["hash"] for e in ends}) == 96
+    hashes = {t.user_attrs["config_hash"] for t in trials if t.state == TrialState.COMPLETE}
+    assert len(hashes) == 96
+    assert Counter(e["hash"] for e in ends) == Counter(hashes), "a point's fit ran to its end twice, or never"
+    assert len(reused) >= died["fit_done"], (len(reused), died)  # those deaths left a finished fit behind
 
     calm_dir = tmp_path / "calm"
     monkeypatch.setenv("FAKE_SLEEP", "0")
@@ -191,8 +227,43 @@ def test_a_kill_storm_loses_and_duplicates_nothing(kind, tmp_path, worker_env, m
 
     figures = (f"kill storm on {kind}: {len(spec.points())} points in {got['wall_s']:.0f} s "
                f"({60 * len(spec.points()) / got['wall_s']:.0f} points/minute) by 8 workers with a {FIT_S} s fake fit; "
-               f"{got['kills']} kills survived in {got['storm_s']:.0f} s, {len(lost)} trials lost with their worker "
-               f"and rerun ({retried} points retried), {len(dup)} duplicate claims refused, "
-               f"{len(starts) - len(ends)} fits cut short")
+               f"in {got['storm_s']:.0f} s, {got['kills']} kills inside fits and {sum(died.values())} deaths at "
+               f"chosen moments ({', '.join(f'{m} {died[m]}' for m in moments)}); {len(lost)} trials lost with "
+               f"their worker and rerun ({retried} points retried, {len(reused)} finished fits collected without "
+               f"fitting again), {len(dup)} duplicate claims, {len(starts) - len(ends)} fits cut short, "
+               f"{len(ends)} fits ran to their end")
     with capsys.disabled():
         print("\n" + figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["claim", "journal_write", "fit_done", "recording"])
+def test_a_worker_dead_at_a_chosen_moment_loses_nothing_and_fits_once(moment, tmp_path, worker_env):  # noqa: F811
+    """A worker process SIGKILLs itself (ablate/faults.py) at `moment` of its first trial: holding the claim lock
+    with its RUNNING trial just created; holding the journal's lock with half a record written; after its fit
+    ended; after the result's attrs but before COMPLETE. The next worker breaks the dead one's lock, cuts the
+    torn record, fails the trial as lost and runs the point: from a finished fit it collects the run and does not
+    fit it again, so the point has one COMPLETE trial and one fit that ran to its end."""
+    spec = load_spec(write_study(tmp_path, "seeds: [1]\nretries: 1\naxes:\n  model.ffn: [gelu]\n"))
+    study_dir = tmp_path / "study"
+    h = prepare_study(spec, study_dir)  # a journal file in the study directory
+    opts = Options(fit=FAKE, heartbeat_s=1, grace_s=30, poll_s=0.2)
+    deaths = tmp_path / "deaths.jsonl"
+    env = {**os.environ, "ATTNLAB_DIE_AT": f"{moment}:1", "ATTNLAB_DIE_LOG": str(deaths)}
+    r = subprocess.run(worker_command(h.spec.path, h.dir, h.url, opts), env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == -signal.SIGKILL, (r.stdout + r.stderr)[-3000:]
+    assert json.loads(deaths.read_text())["moment"] == moment
+    journal = Path(h.url).read_bytes()
+    assert journal.endswith(b"\n") == (moment != "journal_write")  # a torn record left behind
+    assert (study_dir / "claim.lock").exists() == (moment == "claim")  # the dead worker's locks
+    assert Path(f"{h.url}.lock").exists() == (moment == "journal_write")
+    fitted = len(read_calls(study_dir)[1])
+    assert fitted == (1 if moment in ("fit_done", "recording") else 0)
+
+    assert run_study(spec, study_dir, opts=opts, fit=fake_fit) == {"done": 1}  # at once: no wait for grace_s
+    trials = connect(spec, study_dir).study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 1 and done[0].user_attrs["fit_reused"] == (fitted == 1), [t.user_attrs for t in trials]
+    assert len(read_calls(study_dir)[1]) == 1, "the point's fit ran to its end twice"
+    assert Path(h.url).read_bytes().endswith(b"\n")

@@ -31,7 +31,7 @@ from attnlab.experiment import load_experiment
 from attnlab.lit import seq2seq
 from attnlab.lit.optim import lr_factor
 from attnlab.lit.seq2seq import strip_special
-from attnlab.rundir import archive_previous, run_metrics
+from attnlab.rundir import archive_previous, fit_done, mark_fit_done, run_metrics
 from attnlab.train import fit, make_module, make_trainer, prepare
 from conftest import make_pairs
 
@@ -272,6 +272,7 @@ def test_run_directory_holds_config_git_tokenizer_checkpoints_and_logs(tiny_run)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # weights-only unpickling
     assert ckpt["global_step"] == 8 and "rng" in ckpt and ckpt["hyper_parameters"]["model"]["d_model"] == 32
+    assert fit_done(run_dir) == {"step": 8}  # written last: the ablation runner's sign that the fit ended
 
 
 # --------------------------------------------------------------------------------------------- exact resume
@@ -400,6 +401,7 @@ def test_sigterm_during_validation_redoes_that_validation_on_resume(tmp_path):
     cut_dir = tmp_path / "runs" / "cut"
     assert load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")["global_step"] == 8
     assert sorted(read_metrics(cut_dir / "logs" / "metrics.csv")["val/loss"]) == [3], "the cut validation is not logged"
+    assert fit_done(cut_dir) is None  # a fit cut short has not ended
 
     fit(load_experiment(recipe, {"trainer.run_name": "cut"}), ckpt_path="last")
     cut, full = read_run(cut_dir), read_run(full_dir)
@@ -485,3 +487,20 @@ def test_a_fresh_fit_moves_an_earlier_runs_files_aside(tmp_path):
     (run / "checkpoints").mkdir()
     assert archive_previous(run) == run / "previous" / "1"
     assert archive_previous(run) is None
+
+
+class _CrashAtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        raise RuntimeError("crash")
+
+
+def test_a_fit_that_starts_removes_an_earlier_fits_done_mark(tmp_path):
+    """fit_done.json says the fit in a run directory ran to its end: a fit that starts there (fresh or resuming
+    to train further) removes it first, so a crash leaves none behind for the ablation runner to trust."""
+    exp = load_experiment(write_recipe(tmp_path, trainer={"max_steps": 2}))
+    run_dir = prepare(exp)[1].run_dir()  # named with the vocabulary the tokenizer gives
+    run_dir.mkdir(parents=True)
+    mark_fit_done(run_dir, 2)
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(exp, callbacks=[_CrashAtStart()])
+    assert fit_done(run_dir) is None

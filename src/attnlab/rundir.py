@@ -7,6 +7,7 @@
     logs/metrics.csv     Lightning's CSVLogger: one row per logged step
     logs/metrics.partK.csv   the earlier attempts of a resumed run (see `keep_metrics`)
     tensorboard/         the same metrics for TensorBoard
+    fit_done.json        written last by a fit that ran to its end (`mark_fit_done`); removed when a fit starts
     previous/K/          an earlier run's files, moved aside by a fresh fit in the same directory
 
 Lightning's CSVLogger starts metrics.csv afresh in every process that logs to it. A resume therefore first
@@ -17,7 +18,9 @@ where the next one took over, then the next one's.
 from __future__ import annotations
 
 import csv
+import json
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("attnlab")
 
 METRICS = Path("logs") / "metrics.csv"
+FIT_DONE = "fit_done.json"
 Curves = dict[str, list[tuple[int, float]]]  # column -> (step, value) pairs in step order
 
 
@@ -65,6 +69,31 @@ def archive_previous(run_dir: Path) -> Path | None:
     log.warning("%s held an earlier run; moved its %s to %s (resume instead with --ckpt_path last)",
                 run_dir, ", ".join(p.name for p in parts), dest)
     return dest
+
+
+def mark_fit_done(run_dir: Path, step: int) -> None:
+    """The last thing a fit that ran to its end does: fit_done.json, written whole (temporary file, fsync, rename).
+    An ablation worker that takes up a trial whose earlier worker died after this line collects and evaluates
+    the run instead of fitting it again (ablate/runner.run_claim)."""
+    tmp = run_dir / f".{FIT_DONE}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / FIT_DONE)
+
+
+def fit_done(run_dir: Path) -> dict | None:
+    """What `mark_fit_done` recorded in run_dir, or None when no fit there ran to its end since it last started."""
+    try:
+        return json.loads((run_dir / FIT_DONE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+
+
+def clear_fit_done(run_dir: Path) -> None:
+    """A fit starts in run_dir: until it ends, the run is not finished (a resume may train further)."""
+    (run_dir / FIT_DONE).unlink(missing_ok=True)
 
 
 def keep_metrics(run_dir: Path) -> Path | None:

@@ -36,7 +36,7 @@ from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .models.block import Block
 from .progress import progress_callback
-from .rundir import archive_previous, keep_metrics, write_run_dir
+from .rundir import archive_previous, clear_fit_done, keep_metrics, mark_fit_done, write_run_dir
 
 log = logging.getLogger("attnlab")
 EXTRA_LOGGERS = ("wandb", "mlflow")  # optional extras: attnlab[wandb], attnlab[mlflow]
@@ -253,6 +253,7 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         else:
             archive_previous(run_dir)
         write_run_dir(run_dir, exp.to_yaml(), dm.tokenizer)
+        clear_fit_done(run_dir)
     log.info("run directory: %s", run_dir)
     try:
         with warnings.catch_warnings():
@@ -277,4 +278,6 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     if trainer.strategy.broadcast(not step_ckpt.exists(), src=0):
         trainer.save_checkpoint(step_ckpt, weights_only=False)
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    if trainer.global_rank == 0:
+        mark_fit_done(run_dir, trainer.global_step)
     return run_dir

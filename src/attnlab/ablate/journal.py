@@ -21,6 +21,7 @@ from typing import Any
 from optuna.storages.journal import JournalFileBackend
 
 from ..files import disk_full, disk_full_cause
+from . import faults
 
 log = logging.getLogger("attnlab.ablate")
 
@@ -62,6 +63,7 @@ class WholeJournalFile(JournalFileBackend):
                 start = cut_torn_tail(fd, self.path)
                 try:
                     view = memoryview(data)
+                    faults.reached("journal_write", lambda: os.write(fd, data[: len(data) // 2]))  # tests only
                     while view:
                         view = view[os.write(fd, view):]  # a short write on a full disk; the next one raises
                     os.fsync(fd)

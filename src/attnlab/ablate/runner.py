@@ -19,9 +19,11 @@ alone on storages that order writes (SQLite, a journal file). While a trial runs
 `heartbeat` user attr every `heartbeat_s`; a worker that dies stops stamping, and after `grace_s` (at once
 when it ran on the claiming worker's host) the next claim fails its trial ("lost") and runs the point again,
 resuming from the newest checkpoint of its run directory that loads (`checkpoints.latest_checkpoint`) when
-the run left one. Heartbeats are kept as user attrs rather than optuna's RDB heartbeat because optuna's
-JournalStorage has none, and the SLURM runner uses a journal file. A worker whose trial was declared lost
-while it was merely frozen gets UpdateFinishedTrialError when it reports: its result is discarded.
+the run left one; when that attempt's fit had run to its end (`rundir.fit_done`: its worker died between the
+fit and the trial's COMPLETE), the run is collected and evaluated, not fitted again. Heartbeats are kept as user
+attrs rather than optuna's RDB heartbeat because optuna's JournalStorage has none, and the SLURM runner uses a
+journal file. A worker whose trial was declared lost while it was merely frozen gets UpdateFinishedTrialError
+when it reports: its result is discarded.
 
 A trial whose config cannot run is recorded as FAIL with status=invalid and the reason, never retried. A
 trial that raises is FAIL with status=error, the error and the traceback tail, and is tried again while
@@ -56,17 +58,18 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
-from ..checkpoints import checkpoint_step, latest_checkpoint
-from ..config import ConfigError, ModelConfig, load_yaml
+from ..checkpoints import latest_checkpoint
+from ..config import ConfigError
 from ..experiment import Experiment
 from ..launch.job import DEFAULT_FIT, FitFn, job_identity, kill_steps, local_fit, resolve_fit
 from ..leftovers import owner
-from ..models.accounting import count_parameters
-from ..rundir import run_metrics
+from ..rundir import fit_done
+from . import faults
 from .budget import StepCost, scale_flops, step_cost, warmup_warning, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
 from .factors import Variant, fmt, short_key
 from .final import DEFAULT_EVALUATE
+from .results import collect
 from .spec import AblationSpec
 from .study import (
     DONE,
@@ -199,6 +202,7 @@ def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
             except ValueError as e:  # an axis whose values changed since earlier trials: optuna refuses new choices
                 log.warning("%s: factor values not recorded as optuna params (%s)", p.variant.name, e)
                 tid, number = _create_running(h, attrs)
+            faults.reached("claim")
             if _first_live_claim(h, p.point_id, number, grace_s):
                 return Claim(tid, number, p.point_id, p.variant.name, p.variant.overrides, p.seed), busy
             _finish(h, tid, TrialState.FAIL, {"status": "duplicate"})
@@ -306,6 +310,8 @@ def _finish(h: StudyHandle, trial_id: int, state: TrialState, attrs: dict[str, A
     try:
         for k, v in attrs.items():
             h.storage.set_trial_user_attr(trial_id, k, v)
+        if state == TrialState.COMPLETE:
+            faults.reached("recording")
         h.storage.set_trial_state_values(trial_id, state, [value] if value is not None else None)
         return True
     except UpdateFinishedTrialError:
@@ -340,40 +346,6 @@ def trial_experiment(spec: AblationSpec, study_dir: Path, overrides: dict[str, A
     return trial_setup(spec, study_dir, overrides, seed)[0]
 
 
-def collect(run_dir: Path, exp: Experiment, metric: str, cost: StepCost | None = None) -> dict[str, Any]:
-    """What a finished run reports: the metric's last value and its curve (a logged metric), every val/ and test/
-    curve and train/loss, params, steps, tokens trained, FLOPs per token, median tokens/s, the resolved config.
-    `cost`: the trial's StepCost when it was already measured (trial_setup), else it is computed here."""
-    curves = run_metrics(run_dir)
-    csv_path = run_dir / "logs" / "metrics.csv"
-    out: dict[str, Any] = {"metric_name": metric}
-    if not metric.startswith("final/"):
-        if not curves.get(metric):
-            raise ValueError(f"{metric} was never logged in {csv_path} (columns: {sorted(curves)}); "
-                             f"does trainer.val_every={exp.trainer.val_every} fit in the budget?")
-        out["metric"] = curves[metric][-1][1]
-        out["curve"] = {"step": [s for s, _ in curves[metric]], "value": [v for _, v in curves[metric]]}
-    config = exp.to_dict()
-    resolved = run_dir / "config.yaml"
-    if resolved.exists():  # the vocabulary the tokenizer gave the run
-        config = load_yaml(resolved)
-    speeds = sorted(v for _, v in curves.get("train/tokens_per_s", []))
-    ckpt = latest_checkpoint(run_dir)
-    steps = checkpoint_step(ckpt) if ckpt is not None else None
-    cost = step_cost(exp) if cost is None else cost
-    return {
-        **out,
-        "n_params": count_parameters(ModelConfig.from_dict(config["model"]))["total"],
-        "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # median: robust to the first step
-        "steps": steps if isinstance(steps, int) else None,
-        "tokens": curves["train/tokens"][-1][1] if curves.get("train/tokens") else None,
-        "flops_per_token": cost.flops_per_token,
-        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items()
-                   if k.startswith(("val/", "test/")) or k == "train/loss"},
-        "config": config,
-    }
-
-
 def _error(h: StudyHandle, claim: Claim, e: Exception) -> str:
     tb = traceback.format_exc()
     _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
@@ -397,16 +369,22 @@ def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, eval
         except Exception as e:  # the data a FLOPs budget is measured on
             return _error(h, claim, e)
         run_dir = exp.run_dir()
+        done = fit_done(run_dir)  # an earlier attempt's fit ran to its end; its worker died before recording it
         ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
         resume = ckpt is not None
         for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
-                     "resumed_from": str(ckpt) if ckpt else None}.items():
+                     "resumed_from": str(ckpt) if ckpt else None, "fit_reused": done is not None}.items():
             h.storage.set_trial_user_attr(claim.trial_id, k, v)
         log.info("trial %d: %s seed %d%s -> %s", claim.number, claim.variant, claim.seed,
-                 " (resuming)" if resume else "", run_dir)
+                 " (its fit finished in an earlier attempt: collected, not fitted again)" if done
+                 else " (resuming)" if resume else "", run_dir)
         t0 = time.perf_counter()
         try:
-            out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
+            if done:
+                out = run_dir
+            else:
+                out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
+                faults.reached("fit_done")
             if beat.lost or declared_lost(h.storage, claim.trial_id):  # taken over while this worker was
                 return "lost"  # stalled: no result and no final evaluation (its files are the retry's)
             run_dir = Path(out) if out else run_dir

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from ..config import ConfigError, load_yaml
 from ..leftovers import owner, owner_alive, stamped
+from . import faults
 from .journal import WholeJournalFile
 from .spec import AblationSpec, load_spec
 
@@ -155,10 +157,14 @@ def open_storage(url: str) -> BaseStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(WholeJournalFile(str(path), lock_obj=OwnedLock(f"{path}.lock")))
     if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
-        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):
-        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")  # the driver of the `postgres` extra
-    return RDBStorage(url)
+        storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    else:
+        if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):
+            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")  # the driver of the `postgres` extra
+        storage = RDBStorage(url)
+    if (faults.planned() or ("",))[0] == "db_commit":  # the kill-storm tests: die with a transaction open
+        sqlalchemy.event.listen(storage.engine, "commit", lambda conn: faults.reached("db_commit"))
+    return storage
 
 
 def quiet_optuna() -> None:
