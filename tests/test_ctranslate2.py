@@ -132,3 +132,50 @@ def test_a_variant_it_cannot_represent_is_refused_naming_the_fields(trained, tmp
     err = capsys.readouterr().err
     assert "model.norm='rmsnorm' (needs 'layernorm')" in err and "model.ffn='swiglu'" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text(trained, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`attnlab translate --engine ctranslate2`: the checkpoint is converted on first use into <run dir>/ct2/ and
+    loaded from there afterwards; greedy, the lines are attnlab's own."""
+    from attnlab import export_ct2
+
+    ckpt, _, _ = trained["mt"]
+    src = tmp_path / "in.txt"
+    src.write_text("".join(s + "\n" for s, _ in make_pairs(200, seed=13)), encoding="utf-8")
+    base = ["translate", "--ckpt", str(ckpt), "--input", str(src), "--beam", "1", "--device", "cpu"]
+    assert main(base) == 0
+    ours = capsys.readouterr().out.splitlines()
+    conversions = []
+    convert = export_ct2.export_ctranslate2
+    monkeypatch.setattr(export_ct2, "export_ctranslate2", lambda *a, **k: conversions.append(a) or convert(*a, **k))
+    for _ in range(2):
+        assert main([*base, "--engine", "ctranslate2"]) == 0
+        theirs = capsys.readouterr().out.splitlines()
+        assert len(theirs) == len(ours) == 200
+        assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 198, [
+            (a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    assert len(conversions) == 1, "converted once, then loaded"
+    [folder] = (ckpt.parent.parent / "ct2").glob("last-*")
+    assert (folder / "model.bin").is_file() and len(folder.name) == len("last-") + 12
+
+
+def test_the_final_evaluation_with_engine_ctranslate2_scores_attnlabs_beams(trained):
+    """An ablation's final evaluation (final.evaluate_run) with decode.engine ctranslate2 (beam 4, fairseq's
+    penalty, which both implement): the test hypotheses are attnlab's, but for those cut at the maximum length
+    (counted differently, see test_beam_4_with_fairseqs_length_penalty_is_attnlabs), and the scores follow."""
+    from attnlab.ablate.final import evaluate_run
+    from attnlab.experiment import load_experiment
+
+    ckpt, _, _ = trained["mt"]
+    run_dir = ckpt.parent.parent
+    recipe = run_dir.parent.parent / "tiny.yaml"
+    hyps, scores = {}, {}
+    for engine in ("attnlab", "ctranslate2"):
+        exp = load_experiment(recipe, {"decode.engine": engine, "decode.beam": 4, "decode.penalty": "fairseq"})
+        scores[engine] = evaluate_run(exp, run_dir)
+        hyps[engine] = (run_dir / "eval" / "test.hyp").read_text(encoding="utf-8").splitlines()
+        assert scores[engine]["engine"] == engine
+    same = sum(a == b for a, b in zip(hyps["attnlab"], hyps["ctranslate2"], strict=True))
+    assert len(hyps["attnlab"]) >= 80 and same >= 0.95 * len(hyps["attnlab"]), same
+    assert abs(scores["attnlab"]["test_bleu"] - scores["ctranslate2"]["test_bleu"]) < 1.0, scores

@@ -63,6 +63,7 @@ CHECKS = {  # the start of a line -> a pattern its output must match
                                                     r'"bleu_signature": "nrefs:1\|case:mixed\|eff:no\|tok:13a',
     "attnlab average": r"averaged 3 checkpoints -> .*averaged_last3\.ckpt",
     "attnlab bleu": r"sacreBLEU \(detokenised\): BLEU = [0-9.]+(.|\n)*chrF2: [0-9.]+(.|\n)*BLEU",
+    "attnlab translate --ckpt runs/quick_en_de/checkpoints/averaged_last3.ckpt --engine": r"\A[^\n]*\n[^\n]*\n",
     "attnlab generate": r"^Die Datei",
     "attnlab info": r"training FLOPs per target token .*: [0-9.]+e\+08",
     "attnlab ablate status ablations/demo_significance.yaml": r"6 done|done: 6|\b6\b.*done",
@@ -183,4 +184,5 @@ def test_readme_lines_run_as_written_and_print_what_they_should(tmp_path, monkey
     steps = {p.name for p in (tmp_path / "runs" / "quick_en_de" / "checkpoints").glob("step=*.ckpt")}
     assert {"step=30.ckpt", "step=40.ckpt"} <= steps  # continued from step 30 to 40
     assert "averaged_last3.ckpt" in {p.name for p in (tmp_path / "runs" / "quick_en_de" / "checkpoints").iterdir()}
+    assert list((tmp_path / "runs" / "quick_en_de" / "ct2").glob("averaged_last3-*/model.bin"))  # --engine ctranslate2
     assert (tmp_path / "runs" / "ablations" / "demo_significance" / "effects.png").is_file()

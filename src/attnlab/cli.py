@@ -185,7 +185,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if exp.task == "translation":
         srcs, refs = dm.split_texts(split)
         hyps = translate_lines(module, dm.tokenizer, srcs, beam=args.beam or exp.decode.beam, device=dev,
-                               dtype=decode_dtype(dev, exp.trainer.precision))
+                               dtype=decode_dtype(dev, exp.trainer.precision), engine=args.engine,
+                               ckpt_path=args.ckpt)
         metrics.update(score(hyps, refs, exp.data.tgt_lang))
         metrics["examples"] = [{"source": s, "reference": r, "hypothesis": h}
                                for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
@@ -218,7 +219,7 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     module = load_module(averaged, resolved.decode, ckpt=avg)  # the averaged weights as written, not read back
     srcs, refs = dm.split_texts("test")
     hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=dev,
-                           dtype=decode_dtype(dev, exp.trainer.precision))
+                           dtype=decode_dtype(dev, exp.trainer.precision), engine=args.engine, ckpt_path=averaged)
     result = score(hyps, refs, exp.data.tgt_lang)
     times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences, {dev})"] = time.perf_counter() - t0
     result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
@@ -258,7 +259,8 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         lines.pop()
     lines = [line.removesuffix("\r") for line in lines]
     dtype = decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt)))
-    for hyp in translate_lines(module, tok, lines, beam=args.beam, device=dev, dtype=dtype):
+    for hyp in translate_lines(module, tok, lines, beam=args.beam, device=dev, dtype=dtype, engine=args.engine,
+                               ckpt_path=args.ckpt):
         print(hyp.replace("\r", " ").replace("\n", " "))  # a decoded newline must not break the alignment
     return 0
 
@@ -325,6 +327,12 @@ def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
                         "autocast on CUDA where the recipe trains in bf16, fp32 on a CPU")
 
 
+def add_engine_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("attnlab", "ctranslate2"), default=None,
+                   help="what decodes (default: decode.engine): attnlab, or CTranslate2 on this checkpoint, converted "
+                        "once into <run dir>/ct2/ (the ctranslate2 extra; variants the HF export maps)")
+
+
 def cmd_export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """A checkpoint as a Hugging Face model folder (LlamaForCausalLM or MarianMTModel, attnlab.export) or a
     CTranslate2 one (attnlab.export_ct2)."""
@@ -372,14 +380,17 @@ def build_parser() -> Parser:
         add_config(e)
         e.add_argument("--ckpt", required=True)
         e.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
+        add_engine_arg(e)
         add_device_arg(e)
     demo = sub.add_parser("demo", help="fit + average + beam-search test BLEU: what `make demo` runs", **recipe)
     add_config(demo)
     add_device_arg(demo, "the decoding of the test split (training follows trainer.accelerator)")
+    add_engine_arg(demo)
     tr = sub.add_parser("translate", help="translate lines from a file or stdin with a checkpoint")
     tr.add_argument("--ckpt", required=True, help="a checkpoint; it carries its tokenizer")
     tr.add_argument("--input", default="-")
     tr.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
+    add_engine_arg(tr)
     add_device_arg(tr)
     gen = sub.add_parser("generate", help="sample from a language-model checkpoint")
     gen.add_argument("--ckpt", required=True)

@@ -395,10 +395,12 @@ class DecodeConfig(StrictConfig):
     batch_sentences: int = 64  # at most this many sentences per decoding batch (test, translate)
     max_tokens: int = 0  # and at most this many source tokens (padding counted: n * longest); 0 = no token limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
+    engine: str = "attnlab"  # what decodes test, translate, demo, the final evaluation: attnlab | ctranslate2
 
     def __post_init__(self) -> None:
         check_types(self, "decode")
         one_of("penalty", self.penalty, ("gnmt", "fairseq"), "decode")
+        one_of("engine", self.engine, ("attnlab", "ctranslate2"), "decode")
         for key in ("beam", "val_beam", "batch_sentences", "average_last"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 1")

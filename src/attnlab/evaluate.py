@@ -133,8 +133,11 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
 @torch.no_grad()
 def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: int | None = None,
                     batch_sentences: int | None = None, max_tokens: int | None = None,
-                    device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> list[str]:
+                    device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                    engine: str | None = None, ckpt_path: str | Path | None = None) -> list[str]:
     """Translate raw text lines on `device` (default: `pick_device()`), under autocast to `dtype` when given.
+    `engine` (default: the module's decode.engine): attnlab, or ctranslate2 on the checkpoint file `ckpt_path`
+    (the module's weights; converted once and cached: export_ct2.converted).
     Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens
     (default: the module's decode config), and put back in order. Empty lines give empty translations; lines
     longer than the model's max_seq_len tokens are cut there, with a warning (a learned position table ends there;
@@ -155,6 +158,16 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     todo = [i for i in range(len(lines)) if lines[i].strip()]
     batches = [[todo[j] for j in b] for b in token_batches([len(encoded[i]) for i in todo], bs, max_tok)]
     out: list[str] = [""] * len(lines)
+    engine = engine or module.decode_cfg.engine
+    if engine == "ctranslate2":
+        if ckpt_path is None:
+            raise ValueError("translate_lines with engine=ctranslate2 needs the checkpoint file (ckpt_path)")
+        from .export_ct2 import ct2_translate  # the ctranslate2 extra
+
+        ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype)
+        for i, h in zip(todo, tokenizer.decode_batch([ids[i] for i in todo]), strict=True):
+            out[i] = h
+        return out
     module.to(dev)
     # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
     for idx in tqdm(batches, desc="translating", unit="batch", disable=None if len(batches) > 2 else True,

@@ -152,6 +152,7 @@ class Experiment:
         for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk", "loggers"):  # chunks: same loss
             d["trainer"].pop(k)
         d["decode"].pop("max_tokens")  # how test and translate batch their decoding
+        d["decode"].pop("engine")  # and what decodes
         d["data"].pop("min_pairs")  # a check before training, not what is trained
         for (section, key), (now, then) in HASHED_AS_BEFORE.items():
             if d[section][key] == now:

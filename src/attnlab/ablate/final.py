@@ -5,7 +5,9 @@
 3. Translation: beam search (`decode.beam`, the recipe's length penalty and maximum length) over the whole valid
    and test splits, scored with sacreBLEU and chrF on the real text. The hypotheses and references are written
    to <run_dir>/eval/{valid,test}.{hyp,ref}, one segment a line (a newline inside a segment becomes a space,
-   and the scores are those of the files), so `sacrebleu REF -i HYP ...` reproduces them.
+   and the scores are those of the files), so `sacrebleu REF -i HYP ...` reproduces them. With
+   `decode.engine: ctranslate2` (e.g. the study's `overrides:`; not part of the run's identity) CTranslate2
+   decodes instead, from the averaged checkpoint converted once (export_ct2.converted).
 
 The scores (valid_loss, valid_ppl, valid_bleu, valid_chrf, test_...) go to <run_dir>/eval/final.json and into the
 trial: its user attr `final`, or, for a trial that had finished before (`ablate evaluate`), the study's user
@@ -91,13 +93,14 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
         for split in SPLITS:
             srcs, refs = dm.split_texts(split)
             hyps = translate_lines(module, dm.tokenizer, srcs, beam=exp.decode.beam, device=device,
-                                   dtype=decode_dtype(device, exp.trainer.precision))  # the recipe's dtype
+                                   dtype=decode_dtype(device, exp.trainer.precision),  # the recipe's dtype
+                                   engine=exp.decode.engine, ckpt_path=ckpt)
             hyps, refs = [one_line(h) for h in hyps], [one_line(r) for r in refs]
             files[eval_dir / f"{split}.hyp"], files[eval_dir / f"{split}.ref"] = lines_text(hyps), lines_text(refs)
             scores = score(hyps, refs, exp.data.tgt_lang)  # sacreBLEU's tokenizer for the target language
             out[f"{split}_bleu"], out[f"{split}_chrf"] = scores["bleu"], scores["chrf"]
             out["bleu_signature"], out["chrf_signature"] = scores["bleu_signature"], scores["chrf_signature"]
-        out["beam"] = exp.decode.beam
+        out["beam"], out["engine"] = exp.decode.beam, exp.decode.engine
     out["checkpoints"] = [str(p) for p in paths]
     out["eval_dir"] = str(eval_dir)
     out["seconds"] = round(time.perf_counter() - t0, 1)
