@@ -282,8 +282,8 @@ def test_translate_and_generate_decode_on_cuda_when_faked_and_on_the_device_give
     trains with precision auto, which is bf16-mixed on a GPU); --device cpu gives the CPU and fp32."""
     seen: list[tuple] = []
     monkeypatch.setattr(attnlab.cli, "translate_lines",
-                        lambda module, tok, lines, beam=None, device=None, dtype=None: seen.append((device, dtype))
-                        or ["x"] * len(lines))
+                        lambda module, tok, lines, beam=None, device=None, dtype=None, engine=None, ckpt_path=None:
+                        seen.append((device, dtype)) or ["x"] * len(lines))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     src = runs["root"] / "one.txt"
@@ -315,7 +315,7 @@ def test_test_validate_demo_and_the_final_evaluation_decode_on_cuda_in_bf16_when
     seen: list[tuple] = []
     trainers: list[tuple] = []
 
-    def fake_translate(module, tok, lines, beam=None, device=None, dtype=None):
+    def fake_translate(module, tok, lines, beam=None, device=None, dtype=None, engine=None, ckpt_path=None):
         seen.append((device, dtype))
         return ["x"] * len(lines)
 

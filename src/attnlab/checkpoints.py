@@ -1,5 +1,5 @@
 """Checkpoint files, in one place: atomic save, weights-only load and its errors, migration of older layouts,
-averaging, and finding a run's last and latest checkpoints.
+averaging, finding a run's last and latest checkpoints, and the tokenizer a checkpoint carries.
 
 A checkpoint is Lightning's dict: state_dict, hyper_parameters (the model / optim / decode config dicts, so
 the exact model is rebuilt from the file alone), loops, optimizer state, and `attnlab_format`. Files written
@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .config import ConfigError, ModelConfig
+from .data.tokenizer import Tokenizer
 from .files import write_atomic
 
 log = logging.getLogger("attnlab")
@@ -278,3 +279,24 @@ def checkpoint_step(path: str | Path) -> int | str:
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
     except Exception as e:
         return f"unknown ({type(e).__name__})"
+
+
+def run_dir_of(ckpt_path: str | Path) -> Path:
+    """runs/<name>/checkpoints/x.ckpt -> runs/<name>; a checkpoint elsewhere -> its own folder."""
+    p = Path(ckpt_path).resolve()
+    return p.parent.parent if p.parent.name == "checkpoints" else p.parent
+
+
+def load_tokenizer(ckpt_path: str | Path, ckpt: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: the one it carries (so a .ckpt copied anywhere is enough), or,
+    for a checkpoint written before checkpoints carried it, the run directory's tokenizer/ folder."""
+    ckpt = load_checkpoint(ckpt_path) if ckpt is None else checked(ckpt, ckpt_path)
+    if isinstance(ckpt.get("tokenizer"), dict):
+        return Tokenizer.from_files(ckpt["tokenizer"], f"{ckpt_path} (its tokenizer)")
+    tok_dir = run_dir_of(ckpt_path) / "tokenizer"
+    if not tok_dir.exists():
+        raise FileNotFoundError(
+            f"{ckpt_path} carries no tokenizer (written by an older attnlab) and there is none beside it: expected "
+            f"{tok_dir} (fit writes it into the run directory)"
+        )
+    return Tokenizer.load(tok_dir)

@@ -26,6 +26,7 @@ from .models.transformer import DecoderOnly
 
 PAD, BOS, EOS = 0, 1, 2
 NEG_INF = float("-inf")
+GENERATE_MAX_NEW_TOKENS = 50  # attnlab generate's default, and an exported LM's generation_config
 
 
 def _decoding(fn):

@@ -18,34 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .bleu import sacrebleu_bleu
-from .checkpoints import checked, load_checkpoint
+from .checkpoints import checked, load_checkpoint, load_tokenizer, run_dir_of  # noqa: F401 (evaluate's API too)
 from .config import ConfigError, DecodeConfig, load_yaml
-from .data.tokenizer import Tokenizer
-from .decode import generate
+from .decode import GENERATE_MAX_NEW_TOKENS, generate  # noqa: F401 (the CLI's default)
 from .lit import LMModule, MLMModule, Seq2SeqModule
 
 log = logging.getLogger("attnlab")
-
-
-def run_dir_of(ckpt_path: str | Path) -> Path:
-    """runs/<name>/checkpoints/x.ckpt -> runs/<name>; a checkpoint elsewhere -> its own folder."""
-    p = Path(ckpt_path).resolve()
-    return p.parent.parent if p.parent.name == "checkpoints" else p.parent
-
-
-def load_tokenizer(ckpt_path: str | Path, ckpt: dict[str, Any] | None = None) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with: the one it carries (so a .ckpt copied anywhere is enough), or,
-    for a checkpoint written before checkpoints carried it, the run directory's tokenizer/ folder."""
-    ckpt = load_checkpoint(ckpt_path) if ckpt is None else checked(ckpt, ckpt_path)
-    if isinstance(ckpt.get("tokenizer"), dict):
-        return Tokenizer.from_files(ckpt["tokenizer"], f"{ckpt_path} (its tokenizer)")
-    tok_dir = run_dir_of(ckpt_path) / "tokenizer"
-    if not tok_dir.exists():
-        raise FileNotFoundError(
-            f"{ckpt_path} carries no tokenizer (written by an older attnlab) and there is none beside it: expected "
-            f"{tok_dir} (fit writes it into the run directory)"
-        )
-    return Tokenizer.load(tok_dir)
 
 
 def load_module(ckpt_path: str | Path, decode: DecodeConfig | None = None,
@@ -181,9 +159,6 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
         for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
             out[i] = h
     return out
-
-
-GENERATE_MAX_NEW_TOKENS = 50  # attnlab generate's default, and an exported LM's generation_config
 
 
 @torch.no_grad()

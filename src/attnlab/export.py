@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .checkpoints import load_checkpoint
+from .checkpoints import load_checkpoint, load_tokenizer
 from .config import ConfigError, ModelConfig
 from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_as_trained
-from .evaluate import GENERATE_MAX_NEW_TOKENS, load_tokenizer
+from .decode import GENERATE_MAX_NEW_TOKENS
 from .models.layers import sinusoidal_positions
 
 # field -> the values that map. Fields in FREE map whatever their value (sizes, regularisation, initialisation,
