@@ -11,6 +11,9 @@ CTranslate2's maximum length is one per batch: the largest of attnlab's a * sour
 compute in CTranslate2), greedy (beam 1) and beam 4, at each thread count
 (torch.set_num_threads; CTranslate2's intra_threads). Decode time only: sentences/s of the mean of --repeats
 passes after one warm-up pass. The share of sentences where both give the same tokens is reported beside it.
+Beside them, `--engine ctranslate2` as `attnlab test` / `translate` run it: the checkpoint converted once into
+<run dir>/ct2/, the sentences sorted by length and batched as attnlab batches them, one maximum length per
+sentence (the plain CTranslate2 row takes the sentences in their order, in batches of decode.batch_sentences).
 """
 
 from __future__ import annotations
@@ -92,8 +95,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     same = sum(a == b for a, b in zip(ours, text, strict=False)) / len(srcs) if ours else None
                     return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same}
 
+                def engine_row(beam=beam, ours=ours) -> dict:  # what `--engine ctranslate2` runs
+                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
+                                                                 engine="ctranslate2", ckpt_path=args.ckpt),
+                                         args.repeats)
+                    same = sum(a == b for a, b in zip(ours, out, strict=True)) / len(srcs)
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same}
+
                 run_row(rows, {**base, "row": f"attnlab beam {beam}"}, attnlab_row)
                 run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
+                run_row(rows, {**base, "row": f"attnlab --engine ctranslate2, beam {beam}"}, engine_row)
     print(print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
                              ("sent_per_s", "sent/s"), ("same_text", "same text"), ("status", "status")]))
     write_json(args.json, env, rows, sys.argv if argv is None else argv)

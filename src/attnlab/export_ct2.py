@@ -148,22 +148,27 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
     if beam > 1 and decode.penalty != "fairseq" and decode.len_penalty:
         log.warning("decode.engine=ctranslate2 ranks beams by log p / len^%g (decode.penalty fairseq); this recipe "
                     "says decode.penalty=%s", decode.len_penalty, decode.penalty)
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    # On a CPU: torch's thread count as that many batches at once, one thread each. In a process where torch has
+    # run on several threads, CTranslate2's own intra-op threads slow it down instead (measured on 2 cores: 2
+    # intra threads 232 sent/s greedy, 2 inter threads 556, 1 thread 446; bench/RESULTS.md).
+    workers = torch.get_num_threads() if device.type == "cpu" else 1
     translator = ct2.Translator(str(folder), device=device.type, device_index=device.index or 0,
-                                compute_type=compute_type(dtype), intra_threads=threads)
+                                compute_type=compute_type(dtype), inter_threads=workers, intra_threads=1)
     vocab = vocabulary(folder)
     index = {t: i for i, t in enumerate(vocab)}
     out: list[list[int]] = [[] for _ in sources]
     limits = [int(decode.max_len_a * len(ids) + decode.max_len_b) for ids in sources]
+    pending: list[tuple[list[int], list]] = []
     for batch in batches:
         # CTranslate2 takes one maximum length a batch. Greedy: decode to the batch's largest and cut each output
         # at its own (a greedy output's prefix does not depend on how far it goes on). Beam: a batch per limit.
         by_limit = [[i for i in batch if limits[i] == n] for n in sorted({limits[i] for i in batch})]
         parts = [batch] if beam == 1 else by_limit
-        for idx in parts:
-            results = translator.translate_batch([[vocab[t] for t in sources[i]] for i in idx], beam_size=beam,
-                                                 length_penalty=decode.len_penalty,
-                                                 max_decoding_length=max(limits[i] for i in idx))
-            for i, r in zip(idx, results, strict=True):
-                out[i] = [index[t] for t in r.hypotheses[0][: limits[i]]]
+        for idx in parts:  # queued at once: the translator's workers take them in turn
+            pending.append((idx, translator.translate_batch(
+                [[vocab[t] for t in sources[i]] for i in idx], beam_size=beam, length_penalty=decode.len_penalty,
+                max_decoding_length=max(limits[i] for i in idx), asynchronous=True)))
+    for idx, results in pending:
+        for i, r in zip(idx, results, strict=True):
+            out[i] = [index[t] for t in r.result().hypotheses[0][: limits[i]]]
     return out
