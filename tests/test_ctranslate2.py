@@ -179,3 +179,28 @@ def test_the_final_evaluation_with_engine_ctranslate2_scores_attnlabs_beams(trai
     same = sum(a == b for a, b in zip(hyps["attnlab"], hyps["ctranslate2"], strict=True))
     assert len(hyps["attnlab"]) >= 80 and same >= 0.95 * len(hyps["attnlab"]), same
     assert abs(scores["attnlab"]["test_bleu"] - scores["ctranslate2"]["test_bleu"]) < 1.0, scores
+
+
+def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_path):
+    """bench/decode_vs_ct2.py, which bench/RESULTS.md's tables come from, on 20 sentences: every row runs, the
+    engine's text is attnlab's greedy, and the JSON is written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_vs_ct2
+
+    ckpt, _, _ = trained["mt"]
+    threads = torch.get_num_threads()
+    try:
+        rows = decode_vs_ct2.main(["--ckpt", str(ckpt), "--threads", "1", "--limit", "20", "--repeats", "1",
+                                   "--json", str(tmp_path / "rows.json")])
+    finally:
+        torch.set_num_threads(threads)
+    by_row = {r["row"]: r for r in rows}
+    assert set(by_row) == {f"{what} {b}" for b in ("beam 1", "beam 4")
+                           for what in ("attnlab", "ctranslate2", "attnlab --engine ctranslate2,")}
+    assert all(r["status"] == "ok" and r["sent_per_s"] > 0 for r in rows), rows
+    assert by_row["attnlab --engine ctranslate2, beam 1"]["same_text"] >= 0.95  # 19 of 20; near-ties aside
+    assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 6
