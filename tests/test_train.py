@@ -389,7 +389,9 @@ class _SigtermInValidation(Callback):
 
 def test_sigterm_during_validation_redoes_that_validation_on_resume(tmp_path):
     """SIGTERM in the middle of a validation: the state is saved and fit exits 143 without logging it; the resumed
-    fit runs that validation again, at its step, and every value logged equals the uninterrupted run's."""
+    fit runs that validation again, at its step, and is cut there once more (its checkpoint keeps the RNG state
+    it resumed with, not one from before a batch trained), then crashes as it starts again; resumed once more,
+    every value logged equals the uninterrupted run's."""
     recipe = write_recipe(tmp_path, data={"max_tokens": 256}, trainer={"max_steps": 12, "val_every": 4,
                                                                         "ckpt_every": 1000})
     dm, _ = prepare(load_experiment(recipe))
@@ -402,6 +404,11 @@ def test_sigterm_during_validation_redoes_that_validation_on_resume(tmp_path):
     assert load_checkpoint(cut_dir / "checkpoints" / "last.ckpt")["global_step"] == 8
     assert sorted(read_metrics(cut_dir / "logs" / "metrics.csv")["val/loss"]) == [3], "the cut validation is not logged"
     assert fit_done(cut_dir) is None  # a fit cut short has not ended
+    with pytest.raises(SystemExit) as e:  # cut again, in the validation it redoes: nothing trained in between
+        fit(load_experiment(recipe, {"trainer.run_name": "cut"}), ckpt_path="last", callbacks=[_SigtermInValidation(8)])
+    assert e.value.code == 128 + signal.SIGTERM
+    with pytest.raises(RuntimeError, match="crash"):  # and a crash as it starts, which saves a checkpoint too
+        fit(load_experiment(recipe, {"trainer.run_name": "cut"}), ckpt_path="last", callbacks=[_CrashAtStart()])
 
     fit(load_experiment(recipe, {"trainer.run_name": "cut"}), ckpt_path="last")
     cut, full = read_run(cut_dir), read_run(full_dir)

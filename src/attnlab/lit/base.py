@@ -137,12 +137,15 @@ class BaseModule(L.LightningModule):
         """RNG streams (dropout) go into the checkpoint, so a resumed run draws what the original would; the tokens
         trained so far, so its train/tokens count goes on; and the tokenizer, so that the checkpoint alone
         translates or generates."""
-        checkpoint["rng"] = {"torch": torch.get_rng_state()}
+        if self._rng_to_restore is not None:  # resumed, and no batch trained since: the state it will train with
+            checkpoint["rng"] = dict(self._rng_to_restore)  # (a second cut in the redone validation, a crash at start)
+        else:
+            checkpoint["rng"] = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         checkpoint["tokens_trained"] = int(self._tokens)
         if self.tokenizer_files is not None:  # plain strings: they load with weights-only unpickling
             checkpoint["tokenizer"] = dict(self.tokenizer_files)
-        if torch.cuda.is_available():
-            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._rng_to_restore = checkpoint.get("rng")
