@@ -24,6 +24,7 @@ from scipy import stats
 
 from attnlab.ablate.budget import step_cost
 from attnlab.ablate.final import evaluate_run, read_lines, write_lines
+from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.stats import holm, paired_bootstrap, rank_correlation
@@ -112,7 +113,8 @@ def test_final_scores_are_stored_with_each_trial_and_the_table_shows_p_and_ci(pr
 
 def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch_over_seed_bleu(proof, tmp_path):
     _, spec, h = proof
-    rows = {r["variant"]: r for r in csv.DictReader(open(h.dir / "table.csv", encoding="utf-8"))}
+    table_csv = write_table(h, tmp_path / "table")[1][1]  # this test's own table: it runs alone too
+    rows = {r["variant"]: r for r in csv.DictReader(open(table_csv, encoding="utf-8"))}
     per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["paired_bootstrap_p_per_seed"].split())
     ci_per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["paired_bootstrap_ci_per_seed"].split())
     files = {}
