@@ -23,6 +23,7 @@ from optuna.distributions import CategoricalDistribution
 from scipy import stats
 
 from attnlab.ablate.budget import step_cost
+from attnlab.ablate.figures import plot
 from attnlab.ablate.final import evaluate_run, read_lines, write_lines
 from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import run_study
@@ -405,3 +406,26 @@ def test_a_translation_study_is_scored_by_final_test_bleu_and_rows_scored_anothe
     assert "| none: sacreBLEU signatures differ |" in out
     assert re.search(r"ffn=swiglu: not compared with the baseline: its sacreBLEU signature\(s\) .*tok:13a.* ; "
                      r".*tok:intl.* differ from the baseline's .*tok:13a", out), out
+
+
+def test_plot_of_a_study_without_the_metrics_curve_says_so_and_does_not_warn(tmp_path):
+    """A study whose metric (final/test_bleu) has no curve logged during training (fake_fit logs no val/bleu):
+    the metric's panel says "no curve logged", the legend goes beside the loss curves, and matplotlib has
+    nothing to warn about."""
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    body = "seeds: [1]\nmetric: final/test_bleu\naxes:\n  model.ffn: [gelu, swiglu]\n"
+    spec = load_spec(write_study(tmp_path, body, base=tiny_mt(tmp_path), final_eval=True))
+    run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
+    drawn = []
+    savefig = Figure.savefig
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or savefig(fig, *a, **k))
+            plot(connect(spec, tmp_path / "study"))
+    loss, curves = drawn[0].axes
+    assert not curves.get_lines() and [t.get_text() for t in curves.texts] == ["no curve logged"]
+    assert loss.get_legend() is not None and len(loss.get_lines()) == 2

@@ -75,8 +75,13 @@ def plot(h: StudyHandle, out_dir: Path | None = None) -> list[Path]:
     draw_curves(metric_ax, rows, curve_name(metric))
     metric_ax.set_title(f"{curve_name(metric)} at each validation" + (f" (the study's metric: {metric})"
                                                                       if curve_name(metric) != metric else ""))
-    if rows:
-        metric_ax.legend(fontsize=7 if len(rows) > 12 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+    for ax in (loss_ax, metric_ax):
+        if not ax.get_legend_handles_labels()[0]:  # e.g. a study whose trials logged no validation curve
+            ax.text(0.5, 0.5, "no curve logged", transform=ax.transAxes, ha="center", va="center", color="gray")
+    # one legend, beside the metric's curves, else beside the loss's
+    legend_ax = metric_ax if metric_ax.get_legend_handles_labels()[0] else loss_ax
+    if legend_ax.get_legend_handles_labels()[0]:
+        legend_ax.legend(fontsize=7 if len(rows) > 12 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                          ncol=1 if len(rows) <= 24 else 2, frameon=False)
     fig.suptitle(h.spec.name)
     fig.savefig(paths[0], dpi=110, bbox_inches="tight")
