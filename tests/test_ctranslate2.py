@@ -132,6 +132,12 @@ def test_a_variant_it_cannot_represent_is_refused_naming_the_fields(trained, tmp
     err = capsys.readouterr().err
     assert "model.norm='rmsnorm' (needs 'layernorm')" in err and "model.ffn='swiglu'" in err
     assert not (tmp_path / "out").exists()
+    (tmp_path / "in.txt").write_text("Open File\n", encoding="utf-8")
+    assert main(["translate", "--ckpt", str(tmp_path / "runs" / "x" / "checkpoints" / "last.ckpt"), "--input",
+                 str(tmp_path / "in.txt"), "--engine", "ctranslate2"]) == 2
+    err = capsys.readouterr().err
+    assert "decode.engine=ctranslate2 cannot decode it" in err and "model.norm='rmsnorm'" in err
+    assert not list((tmp_path / "runs" / "x" / "ct2").iterdir())  # nothing half-made left behind
 
 
 def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text(trained, tmp_path, capsys,

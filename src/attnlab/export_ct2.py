@@ -110,7 +110,10 @@ def converted(ckpt_path: str | Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        export_ctranslate2(ckpt_path, tmp / "model")
+        try:
+            export_ctranslate2(ckpt_path, tmp / "model")
+        except ConfigError as e:
+            raise ConfigError(f"decode.engine=ctranslate2 cannot decode it (use decode.engine=attnlab): {e}") from None
         try:
             os.rename(tmp / "model", folder)
         except OSError:  # another process converted it meanwhile
