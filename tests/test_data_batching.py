@@ -61,8 +61,11 @@ def test_atomic_dir_leaves_nothing_on_error_and_manifest_checks(tmp_path):
 
 
 BUILD = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
 from attnlab.data.batching import atomic_dir
+# Ctrl-C raises KeyboardInterrupt even where the launcher ignores SIGINT (a background job of a shell without job
+# control starts so, and Python then keeps it ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with atomic_dir(pathlib.Path(sys.argv[1])) as tmp:
     (tmp / "tokens.bin").write_bytes(bytes(1000))
     print("building", flush=True)
