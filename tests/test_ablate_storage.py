@@ -118,7 +118,7 @@ def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, se
     """n_workers worker processes under two kinds of kills for `seconds`, each dead worker replaced by a new one:
     - every 1.5-3.5 s, one of those inside a fit, at random, is SIGKILLed from outside;
     - every other worker started dies by its own hand (ablate/faults.py) at the next of `moments` in turn, at
-      its n-th visit there (n at random: 1-2 for the claim and recording moments, up to 40 for journal and
+      its n-th visit there (n at random: 1-2 for the claim and recording moments, up to 15 for journal and
       database writes), where an outside kill rarely lands: in the claim, between the fit's end and COMPLETE,
       with the journal's or the database's lock held.
     Then the workers finish calmly. Returns what happened; every worker must end with status 0."""
@@ -127,7 +127,7 @@ def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, se
     logs = study_dir / "worker-logs"
     logs.mkdir()
     die_log = study_dir / "deaths.jsonl"
-    upto = {"claim": 2, "fit_done": 2, "recording": 2, "journal_write": 40, "db_commit": 40}
+    upto = {"claim": 2, "fit_done": 2, "recording": 2, "journal_write": 15, "db_commit": 15}
     started, kills, planned = 0, 0, 0
 
     def start(storming: bool) -> subprocess.Popen:
