@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints import run_dir_of
 from .config import ConfigError, DecodeConfig
 from .export import export_hf
 
@@ -103,8 +104,7 @@ def converted(ckpt_path: str | Path) -> Path:
     with open(ckpt_path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
-    run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
-    folder = run_dir / "ct2" / f"{ckpt_path.stem}-{digest.hexdigest()[:12]}"
+    folder = run_dir_of(ckpt_path) / "ct2" / f"{ckpt_path.stem}-{digest.hexdigest()[:12]}"
     if (folder / "model.bin").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +160,7 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
     vocab = vocabulary(folder)
     index = {t: i for i, t in enumerate(vocab)}
     out: list[list[int]] = [[] for _ in sources]
+    # decode.max_lengths' rule; its learned-position cap never applies here (the Marian route has sinusoids)
     limits = [int(decode.max_len_a * len(ids) + decode.max_len_b) for ids in sources]
     pending: list[tuple[list[int], list]] = []
     for batch in batches:
