@@ -345,8 +345,11 @@ def submit_and_preempt(slurm_cluster, spec_path: Path, study_dir: Path, reach_s:
     spec = load_spec(spec_path)
     first = spec.experiment(spec.points()[0].variant.overrides, 1)
     run_dir = study_dir / "runs" / f"{first.name}-{first.config_hash()}"
-    wait_for(lambda: (run_dir / "checkpoints" / "step=20.ckpt").exists(), reach_s, "the first trial never reached "
-             f"step 20\n{read_logs(logs)}", slurm_cluster.dir)
+    def past_step_20() -> bool:  # step=20.ckpt itself may be rotated out (keep_checkpoints) before a poll sees it
+        steps = [int(p.stem.removeprefix("step=")) for p in (run_dir / "checkpoints").glob("step=*.ckpt")]
+        return max(steps, default=0) >= 20
+
+    wait_for(past_step_20, reach_s, f"the first trial never reached step 20\n{read_logs(logs)}", slurm_cluster.dir)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
     wait_for(lambda: slurm_cluster.states(job).get(job) == "PENDING", 60, f"{job} was not requeued\n"
              f"{read_logs(logs)}", slurm_cluster.dir)
@@ -359,8 +362,8 @@ def test_usr1_mid_trial_requeues_the_job_and_the_trial_resumes_from_its_checkpoi
     """The preemption path: USR1 to the batch shell -> worker -> srun -> Lightning (hpc checkpoint, scontrol
     requeue); SLURM kills and requeues the job; it runs again and resumes the trial, then the next point."""
     monkeypatch.chdir(tmp_path)
-    steps = 200
-    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=100)
+    steps = 1000  # on an idle 2-core machine 200 steps took 3 s: done before the USR1 could land mid-trial
+    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=500)
     study_dir = tmp_path / "study"
     job, logs, spec, run_dir = submit_and_preempt(
         slurm_cluster, tmp_path / "requeue.yaml", study_dir, 120,
@@ -398,8 +401,8 @@ def test_usr1_requeues_a_two_task_ddp_trial_and_both_ranks_resume_to_the_uninter
     save there, the job is requeued, and when it runs again both ranks resume from the same checkpoint; every
     per-step loss of the trial then equals that of the same trial run without interruption (2 local DDP ranks)."""
     monkeypatch.chdir(tmp_path)
-    steps = 120
-    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=60, log_every=1)
+    steps = 240  # long enough that the USR1 lands mid-trial on an idle machine too
+    recipe = write_lm_recipe(tmp_path, max_steps=steps, ckpt_every=10, val_every=120, log_every=1)
     study_dir = tmp_path / "study"
     job, logs, spec, run_dir = submit_and_preempt(
         slurm_cluster, tmp_path / "ddp.yaml", study_dir, 150,
