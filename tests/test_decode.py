@@ -246,7 +246,7 @@ class Markov(nn.Module):
     def new_cache(self):
         return KVCache(1)
 
-    def cache_cross_attention(self, memory, cache, repeat=1):  # no cross-attention: nothing to fill
+    def cache_cross_attention(self, memory, cache):  # no cross-attention: nothing to fill
         pass
 
     def log_prob(self, hyp: list[int]) -> float:

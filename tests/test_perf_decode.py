@@ -9,7 +9,7 @@ from torch import nn
 
 from attnlab.config import ModelConfig
 from attnlab.decode import beam_search, generate, greedy_search
-from attnlab.models.attention import KVCache, Mask, StaticKVCache
+from attnlab.models.attention import KVCache, Mask, StaticKVCache, select_rows
 from attnlab.models.transformer import build_model
 from conftest import jitter
 from dispatch_count import DispatchCount
@@ -228,3 +228,85 @@ def test_beam_search_projects_each_sentences_cross_attention_keys_once():
         block.cross_attn.kv_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     beam_search(model, src, beam_size=4, max_len_a=0, max_len_b=6, min_len=6)
     assert rows == [3] * len(model.decoder.layers)
+
+
+# ------------------------------------------------------------------------------------------ batch shrinking
+def decode_rows(search, model, src, **kw) -> tuple[list, list[int]]:
+    """The search's output and the rows of each decoder call."""
+    rows: list[int] = []
+    decode = model.decode
+
+    def spy(tgt, *args, **kwargs):
+        rows.append(tgt.shape[0])
+        return decode(tgt, *args, **kwargs)
+
+    model.decode = spy
+    return search(model, src, **kw), rows
+
+
+@pytest.mark.parametrize("search,K", [(greedy_search, 1), (beam_search, 3)])
+def test_a_sentence_that_is_done_leaves_the_batch(search, K):
+    """Without EOS each sentence runs to its own max length (a = 1, b = 0: its source length); from then on it is
+    no row of any decoder call (beam search takes one more step: EOS forced at the max length). Its output is
+    the one it gets decoded alone."""
+    lengths = [2, 7, 4, 7, 3]
+    src = torch.randint(3, V, (len(lengths), max(lengths)))
+    for i, n in enumerate(lengths):
+        src[i, n:] = PAD
+    model = eos_bias(seq2seq(seed=9), -30.0)  # EOS only where forced
+    kw = {"max_len_a": 1.0, "max_len_b": 0} | ({"beam_size": K} if search is beam_search else {})
+    out, rows = decode_rows(search, model, src, **kw)
+    last = max(lengths) if K == 1 else max(lengths) + 1
+    assert rows == [K * sum(n > t if K == 1 else n >= t for n in lengths) for t in range(last)]
+    alone = [search(model, src[i:i + 1, :n], **kw)[0] for i, n in enumerate(lengths)]
+    if K > 1:  # the same hypotheses; scores to float rounding (a padded source against an unpadded one)
+        assert [s for h in out for _, s in h] == pytest.approx([s for h in alone for _, s in h], rel=1e-6)
+        out, alone = [[t for t, _ in h] for h in out], [[t for t, _ in h] for h in alone]
+    assert out == alone
+    assert [len(h if K == 1 else h[0]) for h in out] == lengths
+
+
+def test_beams_attend_to_their_sentences_one_row_of_cross_attention_keys():
+    """The K beams of a sentence are K rows of queries over one cached row of keys and values: every cross-attention
+    call of beam search sees K times more query rows than key rows."""
+    model = seq2seq(n_kv_heads=2)
+    seen: list[tuple[int, int]] = []
+
+    def hook(module, args, kwargs):
+        cache, layer = kwargs.get("cache"), kwargs.get("layer", 0)
+        if cache is not None and cache.cross_kv[layer] is not None:
+            seen.append((args[0].shape[0], cache.cross_kv[layer][0].shape[0]))
+
+    for block in model.decoder.layers:
+        block.cross_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    beam_search(model, torch.randint(3, V, (3, 7)), beam_size=4, max_len_a=0, max_len_b=5, min_len=5)
+    assert seen and all(queries == 4 * keys for queries, keys in seen), seen
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_shared_cross_attention_rows_give_what_repeated_rows_give(backend):
+    """Cross-attention of B*g query rows over B cached rows (row b serves rows b*g .. b*g+g-1) equals attention over
+    the rows repeated g times, padding included."""
+    model = seq2seq(seed=3, n_kv_heads=2, attention_backend=backend)
+    attn = model.decoder.layers[0].cross_attn
+    memory = torch.randn(3, 6, 32)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = pad[2, 2:] = True
+    x = torch.randn(3 * 4, 2, 32)  # (B*g, T, d)
+    with torch.no_grad():
+        shared, repeated = KVCache(1), KVCache(1)
+        k, v = attn.memory_kv(memory)  # (B, Hkv, S, hd)
+        shared.cross_kv[0] = (k, v)
+        repeated.cross_kv[0] = (k.repeat_interleave(4, 0), v.repeat_interleave(4, 0))  # (B*g, Hkv, S, hd)
+        got = attn(x, Mask(bias=~pad[:, None, None, :], key_pad=pad), cache=shared)
+        pad4 = pad.repeat_interleave(4, 0)
+        want = attn(x, Mask(bias=~pad4[:, None, None, :], key_pad=pad4), cache=repeated)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_select_rows_is_index_select():
+    t = torch.randn(5, 3, 4, 2)
+    index = torch.tensor([4, 0, 0, 2])
+    assert torch.equal(select_rows(t, index), t.index_select(0, index))
+    strided = t.transpose(1, 2)  # not contiguous: the plain path
+    assert torch.equal(select_rows(strided, index), strided.index_select(0, index))

@@ -78,6 +78,11 @@ def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # Translation: greedy and beam search over the KV cache
 # ---------------------------------------------------------------------------------------------
+def _host_flags(done: torch.Tensor) -> list[bool]:
+    """The one host read of a decoding step: which rows (or sentences) are done."""
+    return done.tolist()
+
+
 @_decoding
 def greedy_search(
     model, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50,
@@ -85,30 +90,37 @@ def greedy_search(
 ) -> list[list[int]]:
     """Batched greedy decoding of src (B, S) with an EncoderDecoder -> B token lists without BOS/EOS.
 
-    A row stops at its EOS or its max length and then emits PAD; the batch stops when every row has.
-    EOS cannot come before `min_len` output tokens."""
+    A row stops at its EOS or its max length and leaves the batch (its cache rows too: a finished row costs
+    nothing more, as in CTranslate2); the search ends when every row has. EOS cannot come before `min_len`
+    output tokens."""
     B = src.shape[0]
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
     if B == 0:
         return []
+    L = int(limit.max())
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
-    cache = _new_cache(model, static_cache, int(limit.max()) + 1)
-    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)  # (B,)
-    out: list[torch.Tensor] = []
-    for t in range(int(limit.max())):
-        done |= limit <= t  # rows at their length budget
-        if done.all():
+    cache = _new_cache(model, static_cache, L + 1)
+    model.cache_cross_attention(memory, cache)
+    out = torch.full((B, max(L, 1)), pad_id, dtype=torch.long, device=src.device)  # (B, L) every row's tokens
+    rows = torch.arange(B, device=src.device)  # (n,) the row of `out` of each live row
+    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (n, 1)
+    ended = limit.le(0)  # (n,) no budget left
+    for t in range(L + 1):
+        flags = _host_flags(ended)
+        if all(flags):
             break
-        logits = model.decode(tok, memory, src_pad, cache)[:, -1].float()  # (B, V)
+        if any(flags):  # finished rows leave the batch
+            keep = torch.tensor([i for i, f in enumerate(flags) if not f], device=src.device)  # (n',)
+            cache.reorder(keep)
+            rows, limit, tok, src_pad = rows[keep], limit[keep], tok[keep], src_pad[keep]
+        logits = model.decode(tok, None, src_pad, cache)[:, -1].float()  # (n, V)
         logits[:, pad_id] = NEG_INF
         if t < min_len:
             logits[:, eos_id] = NEG_INF
-        tok = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], pad_id)  # (B, 1)
-        out.append(tok)
-        done |= tok[:, 0].eq(eos_id)
-    ids = torch.cat(out, 1).tolist() if out else [[] for _ in range(B)]  # (B, T)
-    return [_strip(row, eos_id, pad_id) for row in ids]
+        tok = logits.argmax(-1, keepdim=True)  # (n, 1)
+        out[rows, t] = tok[:, 0]
+        ended = tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (n,)
+    return [_strip(row, eos_id, pad_id) for row in out.tolist()]
 
 
 @_decoding
@@ -132,7 +144,8 @@ def beam_search(
         log-prob / lp(max length + 1), so the bound is exact.
     At the max length every live beam is force-finished with EOS; before `min_len` tokens (and the max length)
     EOS is not a candidate.
-    Finished sentences are not removed from the batch (simpler; they cost compute until all finish).
+    A sentence that stops leaves the batch with its beams and cache rows (CTranslate2 does the same), folded into
+    the step's reordering of the cache; its cross-attention keys are one row shared by its beams.
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got beam_size={beam_size}, nbest={nbest}")
@@ -144,69 +157,85 @@ def beam_search(
         return []
     dev = src.device
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
-    L = int(limit.max())  # the longest output; one read of the lengths, before the loop
+    limits = limit.tolist()  # (n,) on the host too: one read of the lengths, before the loop
+    L = max(limits)  # the longest output
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache, L + 1)
-    model.cache_cross_attention(memory, cache, repeat=K)  # K/V of each sentence computed once, shared by its beams
-    src_pad = src_pad.repeat_interleave(K, dim=0)  # (B*K, S): rows b*K .. b*K+K-1 are sentence b
-    seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (B*K, t+1)
-    scores = torch.full((B, K), NEG_INF, device=dev)  # (B, K) log-prob of each live beam
+    model.cache_cross_attention(memory, cache)  # K/V of each sentence computed once, one row shared by its beams
+    seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (n*K, t+1) rows b*K .. b*K+K-1: sentence b
+    scores = torch.full((B, K), NEG_INF, device=dev)  # (n, K) log-prob of each live beam
     scores[:, 0] = 0.0  # first step expands only beam 0, so the K beams start distinct
-    base = torch.arange(B, device=dev)[:, None] * K  # (B, 1) first row of each sentence
-    # the K best finished hypotheses of each sentence, best first, kept on the device (no read per step)
-    fin_scores = torch.full((B, K), NEG_INF, dtype=torch.float64, device=dev)  # (B, K) -inf = none yet
-    fin_seqs = torch.full((B, K, max(L, 1)), pad_id, dtype=torch.long, device=dev)  # (B, K, L) tokens, no BOS/EOS
-    fin_len = torch.zeros(B, K, dtype=torch.long, device=dev)  # (B, K)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,)
-    bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (B,) lp of the longest possible hypothesis
+    sent = torch.arange(B, device=dev)  # (n,) the sentence of each live one
+    # the K best finished hypotheses of each sentence, best first, kept on the device (no read per step);
+    # res_* hold those of the sentences that left the batch
+    fin_scores = torch.full((B, K), NEG_INF, dtype=torch.float64, device=dev)  # (n, K) -inf = none yet
+    fin_seqs = torch.full((B, K, max(L, 1)), pad_id, dtype=torch.long, device=dev)  # (n, K, L) tokens, no BOS/EOS
+    fin_len = torch.zeros(B, K, dtype=torch.long, device=dev)  # (n, K)
+    res_scores, res_seqs, res_len = fin_scores.clone(), fin_seqs.clone(), fin_len.clone()  # (B, K[, L])
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (n,)
+    bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (n,) lp of the longest possible hypothesis
     rank = torch.arange(2 * K, device=dev)  # (2K,)
     for t in range(L + 1):
-        logits = model.decode(seqs[:, -1:], memory, src_pad, cache)[:, -1]  # (B*K, V)
-        lprobs = logits.float().log_softmax(-1).view(B, K, V)  # (B, K, V)
+        n = scores.shape[0]
+        base = torch.arange(n, device=dev)[:, None] * K  # (n, 1) first row of each sentence
+        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*K, V)
+        lprobs = logits.float().log_softmax(-1).view(n, K, V)  # (n, K, V)
         lprobs[..., pad_id] = NEG_INF
-        forced = limit <= t  # (B,) at max length only EOS may follow
-        eos_lp = lprobs[..., eos_id].clone()  # (B, K)
-        if t < min_len:  # too short to end, unless at the max length
-            eos_lp.masked_fill_(~forced[:, None], NEG_INF)
-        lprobs.masked_fill_(forced[:, None, None], NEG_INF)
-        lprobs[..., eos_id] = eos_lp
-        cand = scores[:, :, None] + lprobs  # (B, K, V); -inf + finite stays -inf, never NaN
-        top_scores, top_idx = cand.view(B, K * V).topk(2 * K, dim=1)  # (B, 2K), sorted best first
-        top_beam, top_tok = top_idx // V, top_idx % V  # (B, 2K)
-        is_eos = top_tok.eq(eos_id)  # (B, 2K)
+        forced = limit <= t  # (n,) at max length only EOS may follow
+        if t < min_len or min(limits) <= t:  # (the host knows the limits: most steps skip this)
+            eos_lp = lprobs[..., eos_id].clone()  # (n, K)
+            if t < min_len:  # too short to end, unless at the max length
+                eos_lp.masked_fill_(~forced[:, None], NEG_INF)
+            lprobs.masked_fill_(forced[:, None, None], NEG_INF)
+            lprobs[..., eos_id] = eos_lp
+        cand = scores[:, :, None] + lprobs  # (n, K, V); -inf + finite stays -inf, never NaN
+        top_scores, top_idx = cand.view(n, K * V).topk(2 * K, dim=1)  # (n, 2K), sorted best first
+        top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
+        is_eos = top_tok.eq(eos_id)  # (n, 2K)
 
         # finish EOS candidates ranked in the top K (all hypotheses have t tokens + EOS), merged into the K best
         # finished: a stable sort, so on a tie the earlier finished hypothesis, then the better-ranked, stays first
-        fin = is_eos[:, :K] & top_scores[:, :K].isfinite() & ~done[:, None]  # (B, K)
+        fin = is_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
         lp = length_penalty(t + 1, len_penalty, penalty)
-        new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (B, K), float64 like Python's
-        new_seqs = torch.full_like(fin_seqs, pad_id)  # (B, K, L)
-        if t:
-            rows = (base + top_beam[:, :K]).view(-1)  # (B*K,) the row each candidate extends
-            new_seqs[:, :, :t] = seqs.index_select(0, rows)[:, 1:].view(B, K, t)  # drop BOS; EOS is not stored
-        both = torch.cat((fin_scores, new_scores), 1)  # (B, 2K): the kept ones first
-        order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
-        fin_scores = both.gather(1, order)  # (B, K)
-        fin_len = torch.cat((fin_len, torch.full_like(fin_len, t)), 1).gather(1, order)  # (B, K)
-        fin_seqs = torch.cat((fin_seqs, new_seqs), 1).gather(1, order[..., None].expand(-1, -1, fin_seqs.shape[2]))
+        new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (n, K), float64 like Python's
+        both = torch.cat((fin_scores, new_scores), 1)  # (n, 2K): the kept ones first
+        order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (n, K)
+        fin_scores = both.gather(1, order)  # (n, K)
+        fin_len = torch.cat((fin_len, torch.full_like(fin_len, t)), 1).gather(1, order)  # (n, K)
+        if t:  # finished so far hold at most t tokens: only those columns move
+            parents = (base + top_beam[:, :K]).view(-1)  # (n*K,) the row each candidate extends
+            new_seqs = seqs.index_select(0, parents)[:, 1:].view(n, K, t)  # (n, K, t) drop BOS; EOS is not stored
+            both_seqs = torch.cat((fin_seqs[:, :, :t], new_seqs), 1)  # (n, 2K, t)
+            fin_seqs[:, :, :t] = both_seqs.gather(1, order[..., None].expand(-1, -1, t))  # (n, K, t)
 
         # the K best non-EOS candidates stay live (there are >= K: each beam gives at most one EOS)
-        keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (B, K), best first
-        scores = top_scores.gather(1, keep)  # (B, K)
-        beam = top_beam.gather(1, keep)  # (B, K)
-        tok = top_tok.gather(1, keep)  # (B, K)
+        keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (n, K), best first
+        scores = top_scores.gather(1, keep)  # (n, K)
+        beam = top_beam.gather(1, keep)  # (n, K)
+        tok = top_tok.gather(1, keep)  # (n, K)
 
         if early_stop:
-            done |= fin_scores[:, K - 1].isfinite()  # K finished
+            done = fin_scores[:, K - 1].isfinite()  # (n,) K finished
         else:  # the nbest-th finished score (-inf while fewer) beats every live beam's best reachable one
-            done |= fin_scores[:, nbest - 1] >= scores[:, 0].double() / bound_lp  # -inf live beams end it too
+            done = fin_scores[:, nbest - 1] >= scores[:, 0].double() / bound_lp  # -inf live beams end it too
         done |= forced
-        if done.all():  # the one host sync of a step: whether to go on
-            break
-        index = (base + beam).view(-1)  # (B*K,) parent row of each new beam
-        seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (B*K, t+2)
-        cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention rows
-    found, lengths, tokens = fin_scores.tolist(), fin_len.tolist(), fin_seqs.tolist()  # one read at the end
+        index = (base + beam).view(-1)  # (n*K,) parent row of each new beam
+        flags = _host_flags(done)
+        if any(flags):  # store the finished sentences' hypotheses; they leave the batch
+            gone = torch.tensor([i for i, f in enumerate(flags) if f], device=dev)  # (g,)
+            at = sent[gone]  # (g,)
+            res_scores[at], res_len[at], res_seqs[at] = fin_scores[gone], fin_len[gone], fin_seqs[gone]
+            if all(flags):
+                break
+            live = torch.tensor([i for i, f in enumerate(flags) if not f], device=dev)  # (n',)
+            index = index.view(n, K)[live].view(-1)  # (n'*K,)
+            scores, tok, sent, limit, bound_lp = scores[live], tok[live], sent[live], limit[live], bound_lp[live]
+            limits = [m for m, f in zip(limits, flags, strict=True) if not f]
+            fin_scores, fin_len, fin_seqs, src_pad = fin_scores[live], fin_len[live], fin_seqs[live], src_pad[live]
+            cache.select_cross(live)
+        seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (n*K, t+2)
+        cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention row
+    found, lengths, tokens = res_scores.tolist(), res_len.tolist(), res_seqs.tolist()  # one read at the end
     return [[(tokens[b][j][:lengths[b][j]], found[b][j]) for j in range(nbest) if found[b][j] > NEG_INF]
             or [([], NEG_INF)] for b in range(B)]
 

@@ -185,12 +185,11 @@ class EncoderDecoder(_Model):
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.n_dec_layers)
 
-    def cache_cross_attention(self, memory: torch.Tensor, cache: KVCache, repeat: int = 1) -> None:
-        """Fill the cache's cross-attention keys/values from memory (B, S, d), each row repeated `repeat` times
-        (B*repeat rows: a sentence's beams): projected once per sentence, not once per beam."""
+    def cache_cross_attention(self, memory: torch.Tensor, cache: KVCache) -> None:
+        """Fill the cache's cross-attention keys/values from memory (B, S, d), one row per sentence: decoding
+        B*g rows (g beams a sentence) over it, each sentence's g rows of queries attend to its one row."""
         for i, block in enumerate(self.decoder.layers):
-            k, v = block.cross_attn.memory_kv(memory)  # (B, Hkv, S, hd|hd_v)
-            cache.cross_kv[i] = (k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0))  # (B*repeat, ...)
+            cache.cross_kv[i] = block.cross_attn.memory_kv(memory)  # (B, Hkv, S, hd|hd_v) each
 
 
 class _OneStack(_Model):
