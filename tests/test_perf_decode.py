@@ -248,7 +248,7 @@ def decode_rows(search, model, src, **kw) -> tuple[list, list[int]]:
 def test_a_sentence_that_is_done_leaves_the_batch(search, K):
     """Without EOS each sentence runs to its own max length (a = 1, b = 0: its source length); from then on it is
     no row of any decoder call (beam search takes one more step: EOS forced at the max length). Its output is
-    the one it gets decoded alone."""
+    the one it gets decoded alone. Beam search's first step decodes one row a sentence, not K."""
     lengths = [2, 7, 4, 7, 3]
     src = torch.randint(3, V, (len(lengths), max(lengths)))
     for i, n in enumerate(lengths):
@@ -257,7 +257,8 @@ def test_a_sentence_that_is_done_leaves_the_batch(search, K):
     kw = {"max_len_a": 1.0, "max_len_b": 0} | ({"beam_size": K} if search is beam_search else {})
     out, rows = decode_rows(search, model, src, **kw)
     last = max(lengths) if K == 1 else max(lengths) + 1
-    assert rows == [K * sum(n > t if K == 1 else n >= t for n in lengths) for t in range(last)]
+    width = [1] + [K] * (last - 1)  # beam search's first step: one row a sentence (its beams are all BOS)
+    assert rows == [width[t] * sum(n > t if K == 1 else n >= t for n in lengths) for t in range(last)]
     alone = [search(model, src[i:i + 1, :n], **kw)[0] for i, n in enumerate(lengths)]
     if K > 1:  # the same hypotheses; scores to float rounding (a padded source against an unpadded one)
         assert [s for h in out for _, s in h] == pytest.approx([s for h in alone for _, s in h], rel=1e-6)
@@ -268,7 +269,7 @@ def test_a_sentence_that_is_done_leaves_the_batch(search, K):
 
 def test_beams_attend_to_their_sentences_one_row_of_cross_attention_keys():
     """The K beams of a sentence are K rows of queries over one cached row of keys and values: every cross-attention
-    call of beam search sees K times more query rows than key rows."""
+    call of beam search after the first sees K times more query rows than key rows."""
     model = seq2seq(n_kv_heads=2)
     seen: list[tuple[int, int]] = []
 
@@ -280,7 +281,9 @@ def test_beams_attend_to_their_sentences_one_row_of_cross_attention_keys():
     for block in model.decoder.layers:
         block.cross_attn.register_forward_pre_hook(hook, with_kwargs=True)
     beam_search(model, torch.randint(3, V, (3, 7)), beam_size=4, max_len_a=0, max_len_b=5, min_len=5)
-    assert seen and all(queries == 4 * keys for queries, keys in seen), seen
+    layers = len(model.decoder.layers)
+    assert seen[:layers] == [(3, 3)] * layers  # the first step: one row a sentence
+    assert len(seen) > layers and all(queries == 4 * keys for queries, keys in seen[layers:]), seen
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])

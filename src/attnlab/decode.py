@@ -162,9 +162,12 @@ def beam_search(
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache, L + 1)
     model.cache_cross_attention(memory, cache)  # K/V of each sentence computed once, one row shared by its beams
-    seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (n*K, t+1) rows b*K .. b*K+K-1: sentence b
+    # the first step decodes one row a sentence (its K beams would all be BOS) and its 2K best continuations start
+    # K distinct beams; a vocabulary of fewer than 2K tokens starts from K rows, all but the first at -inf
+    w = 1 if V >= 2 * K else K  # (rows a sentence at this step)
+    seqs = torch.full((B * w, 1), bos_id, dtype=torch.long, device=dev)  # (n*w, t+1) rows b*w .. b*w+w-1: sentence b
     scores = torch.full((B, K), NEG_INF, device=dev)  # (n, K) log-prob of each live beam
-    scores[:, 0] = 0.0  # first step expands only beam 0, so the K beams start distinct
+    scores[:, 0] = 0.0
     sent = torch.arange(B, device=dev)  # (n,) the sentence of each live one
     # the K best finished hypotheses of each sentence, best first, kept on the device (no read per step);
     # res_* hold those of the sentences that left the batch
@@ -177,19 +180,19 @@ def beam_search(
     rank = torch.arange(2 * K, device=dev)  # (2K,)
     for t in range(L + 1):
         n = scores.shape[0]
-        base = torch.arange(n, device=dev)[:, None] * K  # (n, 1) first row of each sentence
-        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*K, V)
-        lprobs = logits.float().log_softmax(-1).view(n, K, V)  # (n, K, V)
+        base = torch.arange(n, device=dev)[:, None] * w  # (n, 1) first row of each sentence
+        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
+        lprobs = logits.float().log_softmax(-1).view(n, w, V)  # (n, w, V)
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (n,) at max length only EOS may follow
         if t < min_len or min(limits) <= t:  # (the host knows the limits: most steps skip this)
-            eos_lp = lprobs[..., eos_id].clone()  # (n, K)
+            eos_lp = lprobs[..., eos_id].clone()  # (n, w)
             if t < min_len:  # too short to end, unless at the max length
                 eos_lp.masked_fill_(~forced[:, None], NEG_INF)
             lprobs.masked_fill_(forced[:, None, None], NEG_INF)
             lprobs[..., eos_id] = eos_lp
-        cand = scores[:, :, None] + lprobs  # (n, K, V); -inf + finite stays -inf, never NaN
-        top_scores, top_idx = cand.view(n, K * V).topk(2 * K, dim=1)  # (n, 2K), sorted best first
+        cand = lprobs.add_(scores[:, :w, None])  # (n, w, V) in place; -inf + finite stays -inf, never NaN
+        top_scores, top_idx = cand.view(n, w * V).topk(2 * K, dim=1)  # (n, 2K), sorted best first
         top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
         is_eos = top_tok.eq(eos_id)  # (n, 2K)
 
@@ -235,6 +238,7 @@ def beam_search(
             cache.select_cross(live)
         seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (n*K, t+2)
         cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention row
+        w = K
     found, lengths, tokens = res_scores.tolist(), res_len.tolist(), res_seqs.tolist()  # one read at the end
     return [[(tokens[b][j][:lengths[b][j]], found[b][j]) for j in range(nbest) if found[b][j] > NEG_INF]
             or [([], NEG_INF)] for b in range(B)]
