@@ -14,14 +14,19 @@
 #   4 decode          bench/decode_throughput.py                                  -> decode.json
 #   5 demo_fit        attnlab fit of experiments/demo_en_de.yaml, 2 minutes in bf16, and the benchmark at that
 #                     recipe's shape                                            -> demo_fit.json (tokens/s of both)
+#     decode_ct2      that model's test split decoded by attnlab and by CTranslate2 on CUDA (fp32, greedy and
+#                     beam 4, bench/decode_vs_ct2.py)                            -> decode_ct2.json
 #   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes on one GPU, the last
 #                     checkpoints averaged, beam-4 test BLEU (attnlab demo)      -> base_bleu.json
 #   7 ablation        ablations/demo_norm_ffn.yaml with --workers-per-gpu 4      -> ablation.txt (its table)
 # Every step's output is in <out>/<step>.log; <out>/summary.md has one line per step (status, seconds).
 #
 # A GPU machine without internet brings what it lacks (prepared where pip and the catalogs are):
-#   wheels:   pip download --only-binary=:all: -d wheels x-transformers==2.31.10 einx==0.4.3 loguru==0.7.3 \
-#                 torch-einops-utils==0.2.0 frozendict==2.5.1 einops==0.8.2      (then --wheels wheels)
+#   wheels:   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#                 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+#                 -d wheels x-transformers==2.31.10 einx==0.4.3 loguru==0.7.3 torch-einops-utils==0.2.0 \
+#                 frozendict==2.5.1 einops==0.8.2 ctranslate2==4.8.5          (then --wheels wheels)
+#             (the GPU machine's Python version; --no-deps: the peers' own needs, torch among them, are there)
 #   catalogs: mkdir -p locale && cp -r /usr/share/locale/de locale/                 (then --locale locale)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +40,7 @@ while [ $# -gt 0 ]; do
     --locale) LOCALE="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
     --python) PY="$2"; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -51,7 +56,8 @@ OUT="$(cd "$OUT" && pwd)"
 fail() { echo "gpu_run.sh: $*" >&2; exit 2; }
 if [ -n "$WHEELS" ]; then
   [ -d "$WHEELS" ] || fail "--wheels $WHEELS: no such folder"
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$WHEELS"/*.whl || fail "installing the wheels in $WHEELS failed"
+  # --no-deps: a wheel's needs are the machine's own (a torch wheel pulled in here would replace its CUDA build)
+  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl || fail "installing the wheels in $WHEELS failed"
 fi
 "$PY" -c "import attnlab" 2>/dev/null || fail "$PY cannot import attnlab: run 'make venv' (or pip install -e '.[dev]') first"
 if [ "$DRY" = 0 ]; then
@@ -129,6 +135,10 @@ step demo_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_thro
   --recipe "$DEMO_RUN/config.yaml" --json "$OUT/demo_bench.json"
 wanted demo_bench && "$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" \
   | tee -a "$OUT/demo_bench.log"
+# attnlab's decoding beside CTranslate2's on the model just trained (issue: decoding as fast as CTranslate2)
+if [ "$DRY" = 1 ]; then CT2=(--device cpu --threads 1 --limit 20 --repeats 1); else CT2=(--device cuda); fi
+step decode_ct2 $([ "$DRY" = 1 ] && echo 120 || echo 240) "$PY" bench/decode_vs_ct2.py \
+  --ckpt "$DEMO_RUN/checkpoints/last.ckpt" "${CT2[@]}" --json "$OUT/decode_ct2.json"
 
 # 6: the base model for BLEU: train, average the last checkpoints, beam-4 test BLEU (attnlab demo does all three)
 step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experiments/wmt14_en_de_base.yaml "${DATA[@]}" \

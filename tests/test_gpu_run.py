@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "demo_fit", "demo_bench", "base_bleu", "ablation"]
+STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "demo_fit", "demo_bench", "decode_ct2", "base_bleu",
+         "ablation"]
 
 
 def gpu_run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -28,7 +29,7 @@ def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_pa
     for step in STEPS:
         assert f"| {step} | ok |" in summary, summary
         assert (out / f"{step}.log").stat().st_size > 0
-    for name in ("train_eager", "train_compile", "decode", "demo_bench"):
+    for name in ("train_eager", "train_compile", "decode", "demo_bench", "decode_ct2"):
         rows = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))["rows"]
         assert rows and all(row["status"] == "ok" for row in rows), rows
     fit = json.loads((out / "demo_fit.json").read_text(encoding="utf-8"))
