@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Env, need, print_table, run_row, write_json  # noqa: E402
 
+from attnlab.config import DecodeConfig  # noqa: E402
 from attnlab.evaluate import load_module, load_tokenizer, run_dir_of, translate_lines  # noqa: E402
 from attnlab.experiment import load_experiment  # noqa: E402
 from attnlab.export_ct2 import export_ctranslate2  # noqa: E402
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--beams", default="1,4")
     p.add_argument("--limit", type=int, default=0, help="at most this many test sentences (0: all)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=DecodeConfig.max_tokens,
+                   help="decode.max_tokens for both (default: today's default, whatever the run's config says)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     ctranslate2 = need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     srcs, _ = prepare(exp)[0].split_texts("test")
     srcs = srcs[: args.limit] if args.limit else srcs
     module, tok = load_module(args.ckpt), load_tokenizer(args.ckpt)
-    module.decode_cfg = module.decode_cfg.replace(penalty="fairseq")  # the length penalty both implement
+    # fairseq's length penalty: the one both implement
+    module.decode_cfg = module.decode_cfg.replace(penalty="fairseq", max_tokens=args.max_tokens)
     cfg = module.decode_cfg
     device = torch.device(args.device)
     env = Env(device, False, None, float("nan"))
