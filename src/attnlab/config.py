@@ -393,9 +393,8 @@ class DecodeConfig(StrictConfig):
     val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
     val_sentences: int = 500  # about this many sentences, every k-th of the split, decoded for BLEU/chrF; 0 = none
     batch_sentences: int = 64  # at most this many sentences per decoding batch (test, translate)
-    # and at most this many source tokens (padding counted: n * longest); 0 = no token limit. Sorted by length, the
-    # last batch gathers the long tail (on the demo's test split, 22 sentences padded to 670 tokens)
-    max_tokens: int = 8192
+    # sorted by length, the last batch gathers the long tail (on the demo's test split, 22 sentences padded to 670)
+    max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest); 0 = no limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
     engine: str = "attnlab"  # what decodes test, translate, demo, the final evaluation: attnlab | ctranslate2
 
