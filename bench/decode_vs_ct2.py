@@ -14,11 +14,14 @@ passes after one warm-up pass. The share of sentences where both give the same t
 Beside them, `--engine ctranslate2` as `attnlab test` / `translate` run it: the checkpoint converted once into
 <run dir>/ct2/, the sentences sorted by length and batched as attnlab batches them, one maximum length per
 sentence (the plain CTranslate2 row takes the sentences in their order, in batches of decode.batch_sentences).
+Every row gives its test BLEU. `--int8` (CPU) adds int8 rows, reported apart from the fp32 comparison: attnlab
+with torch's dynamic quantization of its linear layers, and the engine with CTranslate2's int8 compute.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -44,6 +47,48 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return (time.perf_counter() - t0) / repeats, out
 
 
+def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> None:
+    """attnlab with torch's dynamic int8 quantization of its nn.Linear layers (a copy of the model), and the engine
+    with CTranslate2's int8 compute: speed, the share of attnlab fp32's text, BLEU."""
+    import warnings
+
+    from torch import nn
+
+    import attnlab.export_ct2 as export_ct2
+
+    with warnings.catch_warnings():  # torch deprecates its quantized tensors in favour of torchao
+        warnings.simplefilter("ignore")
+        quantized = copy.copy(module)
+        quantized.model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(module.model), {nn.Linear},
+                                                                  dtype=torch.qint8)
+        for beam in beams:
+            def same(out: list[str], beam=beam) -> float | None:
+                mine = ours.get(beam)
+                return sum(a == b for a, b in zip(mine, out, strict=True)) / len(srcs) if mine else None
+
+            def q_row(beam=beam) -> dict:
+                seconds, out = timed(lambda: translate_lines(quantized, tok, srcs, beam=beam, device=device),
+                                     args.repeats)
+                return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds, "same_text": same(out),
+                        "bleu": bleu(out)}
+
+            def e_row(beam=beam) -> dict:
+                real = export_ct2.compute_type
+                export_ct2.compute_type = lambda dtype: "int8"  # the engine's compute type, for this row only
+                try:
+                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
+                                                                 engine="ctranslate2", ckpt_path=args.ckpt),
+                                         args.repeats)
+                finally:
+                    export_ct2.compute_type = real
+                return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same(out),
+                        "bleu": bleu(out)}
+
+            base = {"threads": n, "beam": beam, "sentences": len(srcs)}
+            run_row(rows, {**base, "row": f"attnlab int8 (torch dynamic), beam {beam}"}, q_row)
+            run_row(rows, {**base, "row": f"attnlab --engine ctranslate2 int8, beam {beam}"}, e_row)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="a translation checkpoint whose variant exports (Marian's)")
@@ -54,13 +99,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=DecodeConfig.max_tokens,
                    help="decode.max_tokens for both (default: today's default, whatever the run's config says)")
+    p.add_argument("--int8", action="store_true",
+                   help="also int8 rows on a CPU: attnlab with torch's dynamic quantization of its nn.Linear layers "
+                        "(the tied output projection stays fp32), and the engine with CTranslate2's int8 compute")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     ctranslate2 = need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
     transformers = need("transformers", "pip install 'attnlab[hf]'")
     exp = load_experiment(run_dir_of(args.ckpt) / "config.yaml")
-    srcs, _ = prepare(exp)[0].split_texts("test")
-    srcs = srcs[: args.limit] if args.limit else srcs
+    srcs, refs = prepare(exp)[0].split_texts("test")
+    srcs, refs = (srcs[: args.limit], refs[: args.limit]) if args.limit else (srcs, refs)
+    sacrebleu = need("sacrebleu", "pip install sacrebleu")
+
+    def bleu(hyps: list[str]) -> float:
+        return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     module, tok = load_module(args.ckpt), load_tokenizer(args.ckpt)
     # fairseq's length penalty: the one both implement
     module.decode_cfg = module.decode_cfg.replace(penalty="fairseq", max_tokens=args.max_tokens)
@@ -85,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 def attnlab_row(beam=beam, ours=ours) -> dict:
                     seconds, ours[beam] = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
                                                 args.repeats)
-                    return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds}
+                    return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds, "bleu": bleu(ours[beam])}
 
                 run_row(rows, {"threads": n or "-", "beam": beam, "sentences": len(srcs),
                                "row": f"attnlab beam {beam}"}, attnlab_row)
@@ -103,20 +155,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     seconds, hyps = timed(call, args.repeats)
                     text = [hf_tok.decode(hf_tok.convert_tokens_to_ids(h), skip_special_tokens=True) for h in hyps]
                     same = sum(a == b for a, b in zip(mine, text, strict=False)) / len(srcs) if mine else None
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same}
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same,
+                            "bleu": bleu(text)}
 
                 def engine_row(beam=beam, mine=mine) -> dict:  # what `--engine ctranslate2` runs
                     seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
                                                                  engine="ctranslate2", ckpt_path=args.ckpt),
                                          args.repeats)
                     same = sum(a == b for a, b in zip(mine, out, strict=False)) / len(srcs) if mine else None
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same}
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same,
+                            "bleu": bleu(out)}
 
                 run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
                 run_row(rows, {**base, "row": f"attnlab --engine ctranslate2, beam {beam}"}, engine_row)
             del translator, ct2_row  # the row's default argument holds it too
+            if args.int8 and args.device == "cpu":
+                int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu)
     print(print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
-                             ("sent_per_s", "sent/s"), ("same_text", "same text"), ("status", "status")]))
+                             ("sent_per_s", "sent/s"), ("same_text", "same text"), ("bleu", "BLEU"),
+                             ("status", "status")]))
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 
