@@ -58,17 +58,22 @@ def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> No
 
     with warnings.catch_warnings():  # torch deprecates its quantized tensors in favour of torchao
         warnings.simplefilter("ignore")
-        quantized = copy.copy(module)
-        quantized.model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(module.model), {nn.Linear},
-                                                                  dtype=torch.qint8)
+        # a copy of the model; the module's own (fp32) is swapped back after the rows (a shallow copy of the module
+        # would share its submodule dict, and quantize the fp32 rows of the next thread count with it)
+        fp32, int8 = module.model, torch.ao.quantization.quantize_dynamic(copy.deepcopy(module.model), {nn.Linear},
+                                                                           dtype=torch.qint8)
         for beam in beams:
             def same(out: list[str], beam=beam) -> float | None:
                 mine = ours.get(beam)
                 return sum(a == b for a, b in zip(mine, out, strict=True)) / len(srcs) if mine else None
 
             def q_row(beam=beam) -> dict:
-                seconds, out = timed(lambda: translate_lines(quantized, tok, srcs, beam=beam, device=device),
-                                     args.repeats)
+                module.model = int8
+                try:
+                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
+                                         args.repeats)
+                finally:
+                    module.model = fp32
                 return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds, "same_text": same(out),
                         "bleu": bleu(out)}
 
