@@ -8,7 +8,9 @@ Conventions shared by the translation searches:
 - `min_len` keeps EOS from ending an output of fewer tokens (EOS excluded); min_len = max_len_b with
   max_len_a = 0 decodes exactly max_len_b tokens per sentence ("EOS off", for fixed-length benchmarks).
 - `static_cache` preallocates the self-attention keys/values (StaticKVCache) instead of growing them; the
-  results are the same.
+  results are the same (and on a CPU slower: the buffers are sized for the batch's longest output).
+- A sentence that is done leaves the batch with its cache rows; each step reads one thing back to the host
+  (which rows are done), and the batch shrinks on the device with the indices built from it.
 - Outputs exclude BOS and EOS. The hypothesis length used by the length penalty counts the EOS.
 Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 """
