@@ -177,7 +177,6 @@ def beam_search(
     fin_seqs = torch.full((B, K, max(L, 1)), pad_id, dtype=torch.long, device=dev)  # (n, K, L) tokens, no BOS/EOS
     fin_len = torch.zeros(B, K, dtype=torch.long, device=dev)  # (n, K)
     res_scores, res_seqs, res_len = fin_scores.clone(), fin_seqs.clone(), fin_len.clone()  # (B, K[, L])
-    done = torch.zeros(B, dtype=torch.bool, device=dev)  # (n,)
     bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (n,) lp of the longest possible hypothesis
     rank = torch.arange(2 * K, device=dev)  # (2K,)
     for t in range(L + 1):

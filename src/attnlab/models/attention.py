@@ -91,10 +91,11 @@ class KVCache:
         """Select batch rows (beam search: keep the surviving hypotheses). `self_only` leaves the
         cross-attention entries alone: right when they hold one row per sentence, shared by its beams
         (select those rows with `select_cross`)."""
-        for store in (self.self_kv,) if self_only else (self.self_kv, self.cross_kv):
-            for i, kv in enumerate(store):
-                if kv is not None:
-                    store[i] = (select_rows(kv[0], index), select_rows(kv[1], index))
+        for i, kv in enumerate(self.self_kv):
+            if kv is not None:
+                self.self_kv[i] = (select_rows(kv[0], index), select_rows(kv[1], index))
+        if not self_only:
+            self.select_cross(index)
 
     def select_cross(self, index: torch.Tensor) -> None:
         """Keep the cross-attention rows `index` (the sentences still decoding)."""
