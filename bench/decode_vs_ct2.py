@@ -47,6 +47,11 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return (time.perf_counter() - t0) / repeats, out
 
 
+def same_text(mine: list[str], out: list[str]) -> float | None:
+    """The share of sentences where `out` is attnlab fp32's text `mine` (None before attnlab's row ran)."""
+    return sum(a == b for a, b in zip(mine, out, strict=True)) / len(out) if mine else None
+
+
 def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> None:
     """attnlab with torch's dynamic int8 quantization of its nn.Linear layers (a copy of the model), and the engine
     with CTranslate2's int8 compute: speed, the share of attnlab fp32's text, BLEU."""
@@ -63,10 +68,6 @@ def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> No
         fp32, int8 = module.model, torch.ao.quantization.quantize_dynamic(copy.deepcopy(module.model), {nn.Linear},
                                                                            dtype=torch.qint8)
         for beam in beams:
-            def same(out: list[str], beam=beam) -> float | None:
-                mine = ours.get(beam)
-                return sum(a == b for a, b in zip(mine, out, strict=True)) / len(srcs) if mine else None
-
             def q_row(beam=beam) -> dict:
                 module.model = int8
                 try:
@@ -74,8 +75,8 @@ def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> No
                                          args.repeats)
                 finally:
                     module.model = fp32
-                return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds, "same_text": same(out),
-                        "bleu": bleu(out)}
+                return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds,
+                        "same_text": same_text(ours.get(beam, []), out), "bleu": bleu(out)}
 
             def e_row(beam=beam) -> dict:
                 real = export_ct2.compute_type
@@ -86,8 +87,8 @@ def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> No
                                          args.repeats)
                 finally:
                     export_ct2.compute_type = real
-                return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same(out),
-                        "bleu": bleu(out)}
+                return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
+                        "same_text": same_text(ours.get(beam, []), out), "bleu": bleu(out)}
 
             base = {"threads": n, "beam": beam, "sentences": len(srcs)}
             run_row(rows, {**base, "row": f"attnlab int8 (torch dynamic), beam {beam}"}, q_row)
@@ -159,17 +160,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             length_penalty=cfg.len_penalty, max_decoding_length=max(limits))]
                     seconds, hyps = timed(call, args.repeats)
                     text = [hf_tok.decode(hf_tok.convert_tokens_to_ids(h), skip_special_tokens=True) for h in hyps]
-                    same = sum(a == b for a, b in zip(mine, text, strict=False)) / len(srcs) if mine else None
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same,
-                            "bleu": bleu(text)}
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
+                            "same_text": same_text(mine, text), "bleu": bleu(text)}
 
                 def engine_row(beam=beam, mine=mine) -> dict:  # what `--engine ctranslate2` runs
                     seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
                                                                  engine="ctranslate2", ckpt_path=args.ckpt),
                                          args.repeats)
-                    same = sum(a == b for a, b in zip(mine, out, strict=False)) / len(srcs) if mine else None
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds, "same_text": same,
-                            "bleu": bleu(out)}
+                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
+                            "same_text": same_text(mine, out), "bleu": bleu(out)}
 
                 run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
                 run_row(rows, {**base, "row": f"attnlab --engine ctranslate2, beam {beam}"}, engine_row)
