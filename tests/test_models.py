@@ -564,3 +564,23 @@ def test_sdpa_gets_no_mask_without_padding_is_causal_in_the_decoder_and_enable_g
         one = jitter(build_model(tiny(arch=arch)), 0).eval()
         one(tgt, **kw)
         assert all(c["mask"] is None and c["gqa"] and c["is_causal"] == (arch == "decoder_only") for c in calls)
+
+
+def test_sdpa_off_the_cpu_runs_without_the_cudnn_kernel(monkeypatch):
+    """Off the CPU (meta tensors stand in for CUDA ones here) SDPA is called with its cuDNN kernel switched off:
+    cuDNN builds a plan per new shape (~0.4 s on an H100), and token-count batches bring a new shape nearly every
+    step. The flash and memory-efficient kernels stay allowed, and the CPU path is left as it is."""
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.device.type, torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    attn = Attention(tiny()).eval()
+    for device in ("cpu", "meta"):
+        x = torch.randn(2, 5, attn.qkv_proj.in_features)  # (B, T, d)
+        attn.to(device)(x.to(device), Mask(causal=True))
+    assert seen == [("cpu", True, True, True), ("meta", False, True, True)], seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # switched off only around the call

@@ -3,6 +3,11 @@
 Backends: `sdpa` (torch.nn.functional.scaled_dot_product_attention, which picks the flash or
 memory-efficient kernel when the inputs allow), `flash_attn` (the flash-attn package), and `eager`
 (reference math in plain PyTorch that can return the attention weights).
+
+On a GPU, `sdpa` runs with SDPA's cuDNN kernel switched off (SDPA_GPU_BACKENDS): cuDNN builds an execution plan
+for every new shape, ~0.4 s each on an H100 (torch 2.11), and batches made by token count, validation decoding
+and a growing KV cache bring a new shape nearly every call. Left on, it made a bf16 `attnlab fit` of the demo
+recipe run 2-5k tokens/s on an H100 (bench/RESULTS.md); flash and memory-efficient kernels need no plan.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ModelConfig
 from .layers import apply_rope, make_norm
 
 # SDPA takes fewer K/V heads itself from torch 2.5 (enable_gqa); before that the heads are repeated here
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+# the SDPA kernels allowed off the CPU, in SDPA's own order: no cuDNN (a plan per new shape; see the docstring)
+SDPA_GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -292,9 +300,14 @@ class Attention(nn.Module):
             else:
                 attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
             is_causal = False
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, **gqa
-        )  # (B, H, T, hd)
+        if q.device.type == "cpu":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, **gqa
+            )  # (B, H, T, hd)
+        with sdpa_kernel(SDPA_GPU_BACKENDS):  # ~15 us on the host; traced by torch.compile, captured away by graphs
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, **gqa
+            )  # (B, H, T, hd)
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, p: float) -> torch.Tensor:
         """Reference math: softmax(q k^T / sqrt(hd) + bias) v, in fp32 for the softmax."""
