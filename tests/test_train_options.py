@@ -203,6 +203,10 @@ def test_stretched_intervals_are_the_smallest_multiple_lasting_the_minimum():
     assert stretched(100, 0.1, 0.145) == 100  # the CPU the demo is sized for: 14.5 s >= 6 s, unchanged
     assert stretched(100, 0.1, 0.005) == 1200  # 100 steps of 5 ms last 0.5 s: 12 x 100 last 6 s
     assert stretched(500, 0.0, 0.005) == 500 and stretched(7, 1.0, 60.0) == 7
+    # a fixed budget caps it at its last multiple: the ablation trial of 800 steps at 34 ms a step on an H100
+    # (val_every 400, val_every_min 0.5) validated every 1,200 steps, so never, and every trial failed
+    assert stretched(400, 0.5, 0.034, last=800) == 800 and stretched(400, 0.5, 0.034, last=1000) == 800
+    assert stretched(400, 0.5, 0.034, last=-1) == 1200 and stretched(400, 0.5, 0.034, last=300) == 1200
 
 
 def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_path, monkeypatch):
@@ -231,3 +235,16 @@ def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_pat
     assert not [w for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
     ckpts = sorted(int(p.stem.split("=")[1]) for p in (run_dir / "checkpoints").glob("step=*.ckpt"))
     assert ckpts == [5, 10, 15, 20, 25, 30, 45, 60]  # not 35, 40: the stretched interval came back
+
+
+def test_a_stretched_validation_interval_still_validates_at_the_end_of_a_step_budget(tmp_path, monkeypatch):
+    """A run so fast that val_every_min would stretch val_every 5 past its 60-step budget (a fake clock over its
+    steps 5..25: 0.1 s a step, 1 minute wanted: every 600 steps) validates at step 60, its last multiple of 5 (an
+    ablation trial reads its metric from that validation)."""
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(intervals, "perf_counter", lambda: next(clock))
+    recipe = write_recipe(tmp_path, model={"dropout": 0.0},
+                          trainer={"max_steps": 60, "val_every": 5, "ckpt_every": 5, "val_every_min": 1.0})
+    run_dir = fit(load_experiment(recipe))
+    vals = sorted(read_metrics(run_dir / "logs" / "metrics.csv")["val/loss"])  # CSV steps count from 0
+    assert [s + 1 for s in vals] == [5, 10, 15, 20, 25, 60]  # unstretched until timed, then the capped 60

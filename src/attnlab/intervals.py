@@ -21,11 +21,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 log = logging.getLogger("attnlab")
 
 
-def stretched(every: int, minutes: float, step_s: float) -> int:
-    """The smallest multiple of `every` steps lasting at least `minutes` at `step_s` seconds a step."""
+def stretched(every: int, minutes: float, step_s: float, last: int = -1) -> int:
+    """The smallest multiple of `every` steps lasting at least `minutes` at `step_s` seconds a step, but no more
+    than the last multiple of `every` within `last` (trainer.max_steps; <= 0: none). A run of a fixed step budget
+    (an ablation's trials) so still validates at its end: stretched past it, it would never validate at all."""
     if minutes <= 0 or step_s <= 0:
         return every
-    return every * max(1, math.ceil(minutes * 60 / (step_s * every)))
+    n = max(1, math.ceil(minutes * 60 / (step_s * every)))
+    return every * (min(n, last // every) if last >= every else n)
 
 
 class StretchIntervals(Callback):
@@ -64,8 +67,9 @@ class StretchIntervals(Callback):
             self._start = (first, perf_counter())
         elif step == first + self.timed and t0 is not None:
             step_s = trainer.strategy.broadcast((perf_counter() - t0) / self.timed, src=0)
-            self.steps = {"val": stretched(self.val_every, self.val_min, step_s),
-                          "ckpt": stretched(self.ckpt_every, self.ckpt_min, step_s)}
+            last = trainer.max_steps
+            self.steps = {"val": stretched(self.val_every, self.val_min, step_s, last),
+                          "ckpt": stretched(self.ckpt_every, self.ckpt_min, step_s, last)}
             if self.steps != {"val": self.val_every, "ckpt": self.ckpt_every}:
                 log.info("%.3f s a step: validating every %d steps and checkpointing every %d (trainer.val_every_min "
                          "%g, ckpt_every_min %g)", step_s, self.steps["val"], self.steps["ckpt"], self.val_min,
