@@ -197,6 +197,30 @@ def test_collate_pairs_layout():
     assert b["ids"].tolist() == [4, 9] and all(b[k].dtype == torch.long for k in ("src", "tgt_in", "tgt_out"))
 
 
+def test_collate_pairs_matches_a_row_by_row_layout_and_its_tensor_work_does_not_grow_with_the_batch():
+    """Random pairs (empty sides included) against the layout written out row by row; and the collation's torch
+    operators are as many for 64 pairs as for 4 (the host work between two GPU steps when num_workers is 0)."""
+    from dispatch_count import DispatchCount
+
+    rng = np.random.default_rng(0)
+    items = [(rng.integers(4, 60000, rng.integers(0, 9)).astype(np.uint16),
+              rng.integers(4, 60000, rng.integers(0, 9)).astype(np.uint16), i) for i in range(64)]
+    b = collate_pairs(items)
+    S, T = max(len(s) for s, _, _ in items) + 1, max(len(t) for _, t, _ in items) + 1
+    for row, (s, t, i) in enumerate(items):
+        assert b["src"][row].tolist() == [*s.tolist(), EOS_ID] + [PAD_ID] * (S - len(s) - 1)
+        assert b["tgt_in"][row].tolist() == [BOS_ID, *t.tolist()] + [PAD_ID] * (T - len(t) - 1)
+        assert b["tgt_out"][row].tolist() == [*t.tolist(), EOS_ID] + [PAD_ID] * (T - len(t) - 1)
+        assert (b["src_lens"][row], b["tgt_lens"][row], b["ids"][row]) == (len(s) + 1, len(t) + 1, i)
+    assert b["ntokens"] == int((b["tgt_out"] != PAD_ID).sum())
+    counts = []
+    for n in (4, 64):
+        with DispatchCount() as c:
+            collate_pairs(items[:n])
+        counts.append(sum(c.ops.values()))
+    assert counts[0] == counts[1] <= 10, counts
+
+
 def test_lm_windows_are_shifted_by_one(tmp_path):
     w = TokenArrayWriter(tmp_path / "s", np.dtype(np.uint16))
     w.append([[5, 6, 7, EOS_ID], [8, 9, EOS_ID], [10, 11, 12, 13, EOS_ID]])  # 12 tokens
