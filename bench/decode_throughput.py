@@ -6,7 +6,8 @@
 
 Translation (Transformer-base shape, random weights; batch 64, source 64, exactly 64 new tokens each):
   attnlab greedy_search / beam_search(beam 4) with min_len = max length (EOS held back), growing or static cache,
-  against MarianMTModel.generate(num_beams 1 or 4, min_new_tokens = max_new_tokens = 64). Reported in
+  or graph=True (every row kept, the decoder step one CUDA graph; on a CPU run eagerly), against
+  MarianMTModel.generate(num_beams 1 or 4, min_new_tokens = max_new_tokens = 64). Reported in
   sentences/s. (attnlab's beam search makes one more decoder call than HF's: the step that scores the forced EOS.)
 LM (the ~110M Llama-shaped model of train_throughput.py; batch 16, prompt 128, exactly 256 new tokens, greedy):
   attnlab generate with cache dynamic | static | graph (a CUDA graph per step; + compile_step), against
@@ -82,14 +83,14 @@ def measure(env: Env, task: str, name: str, args: argparse.Namespace) -> dict:
         beam = 4 if "beam" in name else 1
         if name.startswith("attnlab"):
             model = place(build_model(cfg), env)
-            static = name.endswith("static")
+            kw = {"static_cache": name.endswith("static"), "graph": name.endswith("graph")}
 
             def call():
                 if beam == 1:
-                    out = greedy_search(model, src, max_len_a=0, max_len_b=n, min_len=n, static_cache=static)
+                    out = greedy_search(model, src, max_len_a=0, max_len_b=n, min_len=n, **kw)
                 else:
                     out = [h[0][0] for h in beam_search(model, src, beam_size=beam, max_len_a=0, max_len_b=n,
-                                                        min_len=n, static_cache=static)]
+                                                        min_len=n, **kw)]
                 check([len(o) for o in out], n, name)
         else:
             model = place(Marian(cfg).net, env)
@@ -129,8 +130,8 @@ def measure(env: Env, task: str, name: str, args: argparse.Namespace) -> dict:
 
 
 ROWS = {
-    "mt": ["attnlab-greedy", "attnlab-greedy-static", "marian-greedy", "attnlab-beam4", "attnlab-beam4-static",
-           "marian-beam4"],
+    "mt": ["attnlab-greedy", "attnlab-greedy-static", "attnlab-greedy-graph", "marian-greedy", "attnlab-beam4",
+           "attnlab-beam4-static", "attnlab-beam4-graph", "marian-beam4"],
     "lm": ["attnlab", "attnlab-static", "attnlab-graph", "attnlab-graph-compiled", "llama", "llama-static"],
 }
 

@@ -20,12 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal", "aten::unique_dim",
             "aten::_unique", "aten::_unique2", "aten::unique_consecutive"}
+INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}  # not index_copy_ etc.
 
 
 def _is_sync(name: str, args, kwargs) -> bool:
     if name in SYNC_OPS:
         return True
-    if name.startswith("aten::index") and len(args) > 1:  # t[mask]: the output size is the mask's count
+    if name in INDEX_OPS and len(args) > 1:  # t[mask], t[mask] = v: the output size is the mask's count
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
     if name == "aten::repeat_interleave":
         return kwargs.get("output_size") is None

@@ -178,6 +178,23 @@ def test_cuda_graph_decoding_gives_the_tokens_of_the_dynamic_cache(compile_step)
     assert again == want  # a second capture over a fresh cache
 
 
+def test_translation_graph_decoding_gives_the_tokens_of_the_shrinking_batch():
+    """greedy_search / beam_search(graph=True) on CUDA: the decoder step captured once as a CUDA graph and
+    replayed, every row kept; fp32 weights, the same tokens as the default path, padded sources included."""
+    from attnlab.decode import beam_search, greedy_search
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_enc_layers=2, n_dec_layers=2,
+                      dropout=0.0)
+    model = build_model(cfg).cuda().eval()
+    src = torch.randint(4, 512, (6, 20), device="cuda")
+    src[1, 12:] = 0
+    src[4, 5:] = 0
+    assert greedy_search(model, src, graph=True) == greedy_search(model, src)
+    a, b = (beam_search(model, src, beam_size=4, nbest=2, graph=g) for g in (True, False))
+    assert [[h for h, _ in s] for s in a] == [[h for h, _ in s] for s in b]
+
+
 def sdpa_ops(fn) -> set[str]:
     """The SDPA kernels (aten ops) a call runs, from the profiler: flash, efficient (memory-efficient), math."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -3,6 +3,8 @@ fixed-shape graph step (run eagerly on a CPU, traced by torch.compile), and "EOS
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -313,3 +315,94 @@ def test_select_rows_is_index_select():
     assert torch.equal(select_rows(t, index), t.index_select(0, index))
     strided = t.transpose(1, 2)  # not contiguous: the plain path
     assert torch.equal(select_rows(strided, index), strided.index_select(0, index))
+
+
+# ------------------------------------------------------------------------------------------ graph=True (fixed rows)
+def logit_bias(model: nn.Module, token: int, value: float) -> nn.Module:
+    """Add `value` to `token`'s logit wherever the model projects to the vocabulary (both decoding paths do)."""
+    logits = model.logits
+
+    def biased(h):
+        out = logits(h)  # (..., V)
+        out[..., token] += value
+        return out
+
+    model.logits = biased
+    return model
+
+
+@pytest.mark.parametrize("kw", [{}, {"position": "rope", "n_kv_heads": 2, "norm_position": "pre"},
+                                {"position": "learned", "max_seq_len": 16, "tie_embeddings": "none"}])
+def test_graph_decoding_gives_the_tokens_of_the_shrinking_batch(kw):
+    """graph=True keeps every row over a device-position static cache (on a CPU the step runs eagerly): the
+    same tokens as the default path, whose batch shrinks, with sentences ending at different steps (an EOS
+    bias), padded sources, n-best, the GNMT stopping bound and min_len."""
+    model = logit_bias(seq2seq(seed=3, **kw), EOS, 1.0)
+    torch.manual_seed(0)
+    src = torch.randint(3, V, (6, 9))
+    src[1, 5:] = PAD
+    src[4, 2:] = PAD
+    common = {"max_len_a": 1.0, "max_len_b": 4}
+    assert greedy_search(model, src, graph=True, **common) == greedy_search(model, src, **common)
+    lengths = {len(h) for h in greedy_search(model, src, **common)}
+    assert len(lengths) >= 3, lengths  # the rows end at different steps (at EOS, at their max lengths)
+    for beam in ({"beam_size": 3, "nbest": 2}, {"beam_size": 4, "early_stop": False, "nbest": 3},
+                 {"beam_size": 2, "min_len": 3}):
+        a = beam_search(model, src, graph=True, **common, **beam)
+        b = beam_search(model, src, **common, **beam)
+        assert [[h for h, _ in s] for s in a] == [[h for h, _ in s] for s in b], beam
+        assert [s for h in a for _, s in h] == pytest.approx([s for h in b for _, s in h], rel=1e-6)
+
+
+def test_a_sentence_done_under_graph_keeps_the_hypotheses_it_had_when_done():
+    """Under graph=True a done sentence's beams go on (idle) and may finish better later. Sentence 0: step 0 ends
+    it with EOS (p 0.4, score log 0.4) while token 5 (p 0.35) lives on, and at step 1 EOS (p 0.9) would give [5]
+    a better score under a strong length penalty (-1.155 / (7/6)^2 = -0.85). It is done at step 0 (K = 1
+    finished): the result is [], as when it leaves the batch. Sentence 1 decodes token 7 to its max length."""
+    model, calls = seq2seq(), []
+
+    def scripted(h):
+        out = torch.full((*h.shape[:-1], V), -20.0)  # (rows, 1, V)
+        out[..., 7] = 0.0
+        if h.shape[0] == 2:  # sentence 0 is still a row (the shrinking batch drops it after step 0)
+            out[0] = -20.0
+            for tok, p in zip((EOS, 5, 6), (0.4, 0.35, 0.25) if not calls else (0.9, 0.05, 0.05), strict=True):
+                out[0, ..., tok] = math.log(p)
+        calls.append(1)
+        return out
+
+    model.logits = scripted
+    src = torch.randint(3, V, (2, 4))
+    for graph in (False, True):
+        calls.clear()
+        out = beam_search(model, src, beam_size=1, len_penalty=2.0, max_len_a=0, max_len_b=5, graph=graph)
+        [(tokens, score)], [(rest, _)] = out
+        assert tokens == [] and score == pytest.approx(math.log(0.4)) and rest == [7] * 5, (graph, out)
+
+
+def test_graph_decoding_keeps_every_row_and_reads_one_flag_a_step():
+    """The decoder runs n (greedy) or n*K (beam, after its first step of n) rows at every step, finished
+    sentences included, and a step still reads one thing back to the host."""
+    model = logit_bias(seq2seq(seed=3), EOS, 2.5)
+    src = torch.randint(3, V, (5, 7))
+    rows: list[int] = []
+    model.decoder.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    greedy_search(model, src, graph=True, max_len_a=0, max_len_b=6)
+    assert set(rows) == {5}
+    rows.clear()
+    beam_search(model, src, beam_size=3, graph=True, max_len_a=0, max_len_b=6)
+    assert rows[0] == 5 and set(rows[1:]) == {15}, rows
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam_size": 4})):
+        per_step = (decode_syncs(search, model, src, 12, graph=True, **kw)
+                    - decode_syncs(search, model, src, 4, graph=True, **kw)) / 8
+        assert per_step <= 1, (search.__name__, per_step)
+
+
+def test_graph_decoding_refuses_what_a_fixed_step_cannot_run():
+    src = torch.randint(3, V, (2, 5))
+    with pytest.raises(ValueError, match="graph=True does not support model.position=alibi"):
+        greedy_search(seq2seq(position="alibi"), src, graph=True)
+    with pytest.raises(ValueError, match="graph=True attends through a mask"):
+        model = seq2seq()
+        model.cfg = model.cfg.replace(attention_backend="flash_attn")  # the check reads the config alone
+        beam_search(model, src, graph=True)

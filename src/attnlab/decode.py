@@ -11,6 +11,10 @@ Conventions shared by the translation searches:
   results are the same (and on a CPU slower: the buffers are sized for the batch's longest output).
 - A sentence that is done leaves the batch with its cache rows; each step reads one thing back to the host
   (which rows are done), and the batch shrinks on the device with the indices built from it.
+- `graph=True` keeps every row to the end instead (finished ones idle, their outputs frozen) over a StaticKVCache
+  whose position lives on the device, so that every decoder step has the same shapes and addresses: on CUDA the
+  step is captured once as a CUDA graph and replayed (DecodeStep); elsewhere it runs eagerly, as a check of the
+  same path. The tokens are those of the default path.
 - Outputs exclude BOS and EOS. The hypothesis length used by the length penalty counts the EOS.
 Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 """
@@ -18,7 +22,7 @@ Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +76,14 @@ def _new_cache(model, static: bool, max_len: int) -> KVCache:
     return StaticKVCache(model.cfg.n_dec_layers, max_len) if static else model.new_cache()
 
 
+def _check_graph(model, what: str) -> None:
+    """The models a fixed-shape step (DecodeStep) can run: a mask over the whole static cache, no per-length bias."""
+    if model.cfg.position == "alibi":
+        raise ValueError(f"{what} does not support model.position=alibi (its bias is built per length)")
+    if model.cfg.attention_backend == "flash_attn":
+        raise ValueError(f"{what} attends through a mask: use model.attention_backend=sdpa or eager")
+
+
 def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
     row = row[: row.index(eos_id)] if eos_id in row else row
     return [t for t in row if t != pad_id]  # PAD is never generated: only the filler of finished rows
@@ -89,20 +101,24 @@ def _host_flags(done: torch.Tensor) -> list[bool]:
 def greedy_search(
     model, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50,
     bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD, min_len: int = 0, static_cache: bool = False,
+    graph: bool = False,
 ) -> list[list[int]]:
     """Batched greedy decoding of src (B, S) with an EncoderDecoder -> B token lists without BOS/EOS.
 
     A row stops at its EOS or its max length and leaves the batch (its cache rows too: a finished row costs
     nothing more, as in CTranslate2); the search ends when every row has. EOS cannot come before `min_len`
-    output tokens."""
+    output tokens. `graph`: every row stays, one CUDA graph per step (module docstring)."""
+    if graph:
+        _check_graph(model, "graph=True")
     B = src.shape[0]
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
     if B == 0:
         return []
     L = int(limit.max())
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
-    cache = _new_cache(model, static_cache, L + 1)
+    cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)
+    step = DecodeStep.translation(model, cache, src_pad, B) if graph else None
     out = torch.full((B, max(L, 1)), pad_id, dtype=torch.long, device=src.device)  # (B, L) every row's tokens
     rows = torch.arange(B, device=src.device)  # (n,) the row of `out` of each live row
     tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (n, 1)
@@ -111,17 +127,24 @@ def greedy_search(
         flags = _host_flags(ended)
         if all(flags):
             break
-        if any(flags):  # finished rows leave the batch
+        if any(flags) and step is None:  # finished rows leave the batch
             keep = torch.tensor([i for i, f in enumerate(flags) if not f], device=src.device)  # (n',)
             cache.reorder(keep)
             rows, limit, tok, src_pad = rows[keep], limit[keep], tok[keep], src_pad[keep]
-        logits = model.decode(tok, None, src_pad, cache)[:, -1].float()  # (n, V)
+        if step is not None:
+            logits = step(tok).float()  # (B, V) the graph's output, overwritten by the next replay
+        else:
+            logits = model.decode(tok, None, src_pad, cache)[:, -1].float()  # (n, V)
         logits[:, pad_id] = NEG_INF
         if t < min_len:
             logits[:, eos_id] = NEG_INF
         tok = logits.argmax(-1, keepdim=True)  # (n, 1)
-        out[rows, t] = tok[:, 0]
-        ended = tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (n,)
+        if step is None:
+            out[rows, t] = tok[:, 0]
+            ended = tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (n,)
+        else:  # every row stays: a finished one's output is frozen
+            out[:, t] = tok[:, 0].masked_fill(ended, pad_id)
+            ended = ended | tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (B,)
     return [_strip(row, eos_id, pad_id) for row in out.tolist()]
 
 
@@ -130,6 +153,7 @@ def beam_search(
     model, src: torch.Tensor, beam_size: int = 4, len_penalty: float = 0.6, penalty: str = "gnmt",
     max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1, early_stop: bool = True,
     bos_id: int = BOS, eos_id: int = EOS, pad_id: int = PAD, min_len: int = 0, static_cache: bool = False,
+    graph: bool = False,
 ) -> list[list[tuple[list[int], float]]]:
     """Batched beam search of src (B, S) with an EncoderDecoder over the KV cache.
 
@@ -147,13 +171,16 @@ def beam_search(
     At the max length every live beam is force-finished with EOS; before `min_len` tokens (and the max length)
     EOS is not a candidate.
     A sentence that stops leaves the batch with its beams and cache rows (CTranslate2 does the same), folded into
-    the step's reordering of the cache; its cross-attention keys are one row shared by its beams.
+    the step's reordering of the cache; its cross-attention keys are one row shared by its beams. With `graph`
+    it stays, idle, and every step after the first is one CUDA graph (module docstring).
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got beam_size={beam_size}, nbest={nbest}")
     if len_penalty < 0:
         raise ValueError(f"len_penalty={len_penalty} must be >= 0")
     length_penalty(1, len_penalty, penalty)  # reject an unknown penalty before any work
+    if graph:
+        _check_graph(model, "graph=True")
     B, K, V = src.shape[0], beam_size, model.cfg.vocab_size
     if B == 0:
         return []
@@ -162,8 +189,11 @@ def beam_search(
     limits = limit.tolist()  # (n,) on the host too: one read of the lengths, before the loop
     L = max(limits)  # the longest output
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
-    cache = _new_cache(model, static_cache, L + 1)
+    cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)  # K/V of each sentence computed once, one row shared by its beams
+    if graph:  # the first step too writes at the device position; the graph is captured once there are n*K rows
+        cache.device_position(dev)
+    step, stored = None, [False] * B  # with graph: the decoder step; which sentences' results are stored
     # the first step decodes one row a sentence (its K beams would all be BOS) and its 2K best continuations start
     # K distinct beams; a vocabulary of fewer than 2K tokens starts from K rows, all but the first at -inf
     w = 1 if V >= 2 * K else K  # (rows a sentence at this step)
@@ -182,7 +212,12 @@ def beam_search(
     for t in range(L + 1):
         n = scores.shape[0]
         base = torch.arange(n, device=dev)[:, None] * w  # (n, 1) first row of each sentence
-        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
+        if graph and w == K and step is None:
+            step = DecodeStep.translation(model, cache, src_pad, n * K)
+        if step is not None:
+            logits = step(seqs[:, -1:])  # (n*K, V) the graph's output, overwritten by the next replay
+        else:
+            logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
         lprobs = logits.float().log_softmax(-1).view(n, w, V)  # (n, w, V)
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (n,) at max length only EOS may follow
@@ -225,12 +260,18 @@ def beam_search(
         done |= forced
         index = (base + beam).view(-1)  # (n*K,) parent row of each new beam
         flags = _host_flags(done)
-        if any(flags):  # store the finished sentences' hypotheses; they leave the batch
-            gone = torch.tensor([i for i, f in enumerate(flags) if f], device=dev)  # (g,)
+        if graph:  # a done sentence stays, idle: its hypotheses are stored once, when it is first done
+            new = [f and not s for f, s in zip(flags, stored, strict=True)]
+            flags = stored = [f or s for f, s in zip(flags, stored, strict=True)]
+        else:
+            new = flags
+        if any(new):  # store the finished sentences' hypotheses; they leave the batch (unless graph)
+            gone = torch.tensor([i for i, f in enumerate(new) if f], device=dev)  # (g,)
             at = sent[gone]  # (g,)
             res_scores[at], res_len[at], res_seqs[at] = fin_scores[gone], fin_len[gone], fin_seqs[gone]
-            if all(flags):
-                break
+        if all(flags):
+            break
+        if any(flags) and not graph:
             live = torch.tensor([i for i, f in enumerate(flags) if not f], device=dev)  # (n',)
             index = index.view(n, K)[live].view(-1)  # (n'*K,)
             scores, tok, sent, limit, bound_lp = scores[live], tok[live], sent[live], limit[live], bound_lp[live]
@@ -309,10 +350,8 @@ def generate(
         raise ValueError(f"cache={cache!r} is not one of: {', '.join(CACHES)}")
     if compile_step and cache != "graph":
         raise ValueError("compile_step=True compiles the fixed-shape step of cache='graph'")
-    if cache == "graph" and model.cfg.position == "alibi":
-        raise ValueError("cache='graph' does not support model.position=alibi (its bias is built per length)")
-    if cache == "graph" and model.cfg.attention_backend == "flash_attn":
-        raise ValueError("cache='graph' attends through a mask: use model.attention_backend=sdpa or eager")
+    if cache == "graph":
+        _check_graph(model, "cache='graph'")
     device = next(model.parameters()).device
     if isinstance(prompt, torch.Tensor):
         ids = prompt[None] if prompt.dim() == 1 else prompt  # (B, T): one batch
@@ -339,14 +378,15 @@ def generate(
 
 class DecodeStep:
     """One decoding step over a StaticKVCache with its position on the device: new tokens (G, 1) -> last
-    logits (G, V). Nothing in it changes shape, so on CUDA it is captured once as a CUDA graph and replayed
-    (the input is copied into a fixed tensor, the output is a fixed tensor overwritten by each replay).
-    The step calls the decoder stack directly: the model's id check reads the ids back to the host, which
-    a graph cannot capture, and generated ids come from the vocabulary anyway."""
+    logits (G, V) by `forward`. Nothing in it changes shape, so on CUDA it is captured once as a CUDA graph and
+    replayed (the input is copied into a fixed tensor, the output is a fixed tensor overwritten by each replay).
+    `forward` calls the decoder stack directly: the model's id check reads the ids back to the host, which a
+    graph cannot capture, and generated ids come from the vocabulary anyway. Every tensor it reads (the
+    cache's buffers, a source mask) must keep its address from one step to the next."""
 
-    def __init__(self, model: DecoderOnly, cache: StaticKVCache, batch: int, compile_step: bool = False) -> None:
-        device = next(model.parameters()).device
-        self.model, self.cache = model, cache
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], cache: StaticKVCache, batch: int,
+                 device: torch.device, compile_step: bool = False) -> None:
+        self.forward, self.cache = forward, cache
         cache.device_position(device)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (G, 1) the graph's input
         self.fn = torch.compile(self._forward, fullgraph=True, dynamic=False) if compile_step else self._forward
@@ -356,8 +396,22 @@ class DecodeStep:
             self._capture()
 
     def _forward(self) -> torch.Tensor:
-        h = self.model.decoder(self.tok, cache=self.cache)  # (G, 1, d)
-        return self.model.logits(h)[:, -1]  # (G, V)
+        return self.forward(self.tok)  # (G, V)
+
+    @staticmethod
+    def lm(model: DecoderOnly, cache: StaticKVCache, batch: int, compile_step: bool = False) -> DecodeStep:
+        def forward(tok: torch.Tensor) -> torch.Tensor:
+            return model.logits(model.decoder(tok, cache=cache))[:, -1]  # (G, 1, d) -> (G, V)
+
+        return DecodeStep(forward, cache, batch, next(model.parameters()).device, compile_step)
+
+    @staticmethod
+    def translation(model, cache: StaticKVCache, src_pad: torch.Tensor | None, batch: int) -> DecodeStep:
+        """Over the cross-attention entries already in `cache` (one row per sentence, src_pad (n, S))."""
+        def forward(tok: torch.Tensor) -> torch.Tensor:
+            return model.logits(model.decoder(tok, memory_pad=src_pad, cache=cache))[:, -1]  # (G, V)
+
+        return DecodeStep(forward, cache, batch, next(model.parameters()).device)
 
     def _capture(self) -> None:
         saved = self.cache.pos.clone()
@@ -399,7 +453,7 @@ def _generate_batch(
             )
         cache = StaticKVCache(model.cfg.n_dec_layers, T + max_new_tokens)
     logits = model(ids, cache=cache)[:, -1]  # (G, V) prefill: the whole prompt in one call
-    step = DecodeStep(model, cache, G, compile_step) if cache_kind == "graph" and max_new_tokens > 1 else None
+    step = DecodeStep.lm(model, cache, G, compile_step) if cache_kind == "graph" and max_new_tokens > 1 else None
     done = torch.zeros(G, dtype=torch.bool, device=ids.device)  # (G,)
     steps: list[torch.Tensor] = []
     for i in range(max_new_tokens):
