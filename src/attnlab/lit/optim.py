@@ -28,11 +28,13 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     ]
 
 
-def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor, norm: bool = True) -> torch.Tensor | None:
     """Multiply every gradient by the 0-d tensor `scale` in place and return the global L2 norm of the result
-    (fp32): two multi-tensor (foreach) kernels and a stack for any number of tensors, not two kernels per tensor,
-    and no host sync."""
+    (fp32; None with norm=False, a step that logs none): two multi-tensor (foreach) kernels and a stack for any
+    number of tensors, not two kernels per tensor, and no host sync."""
     torch._foreach_mul_(grads, scale)  # public equivalent: none; torch.optim's own foreach paths use these
+    if not norm:
+        return None
     norms = torch._foreach_norm(grads)  # one norm per tensor, fp32 accumulation inside the kernel
     return torch.linalg.vector_norm(torch.stack(norms).float())  # (,)
 
