@@ -33,16 +33,16 @@ def seq2seq(seed: int = 0, **kw) -> nn.Module:
     return jitter(build_model(ModelConfig(**{**base, **kw})), seed).eval()  # biases != 0, norms != 1
 
 
-def eos_bias(model: nn.Module, value: float) -> nn.Module:
-    """Add `value` to the EOS logit of every decoder step."""
-    decode = model.decode
+def logit_bias(model: nn.Module, token: int, value: float) -> nn.Module:
+    """Add `value` to `token`'s logit wherever the model projects to the vocabulary (both decoding paths do)."""
+    logits = model.logits
 
-    def biased(*args, **kwargs):
-        logits = decode(*args, **kwargs)  # (B, T, V)
-        logits[..., EOS] += value
-        return logits
+    def biased(h):
+        out = logits(h)  # (..., V)
+        out[..., token] += value
+        return out
 
-    model.decode = biased
+    model.logits = biased
     return model
 
 
@@ -149,7 +149,7 @@ def test_static_cache_limits_are_clear_errors():
 
 # ------------------------------------------------------------------------------------------ EOS off
 def test_min_len_holds_eos_back_in_greedy_and_beam_search():
-    model = eos_bias(seq2seq(seed=5), 30.0)  # EOS would win every step
+    model = logit_bias(seq2seq(seed=5), EOS, 30.0)  # EOS would win every step
     src = torch.randint(3, V, (3, 6))
     assert greedy_search(model, src) == [[], [], []]
     assert all(h[0][0] == [] for h in beam_search(model, src))
@@ -166,8 +166,8 @@ def test_min_len_holds_eos_back_in_greedy_and_beam_search():
 
 def test_min_len_tokens_are_those_of_the_model_without_eos():
     src = torch.randint(3, V, (4, 7))
-    want = greedy_search(eos_bias(seq2seq(seed=6), float("-inf")), src, max_len_a=0, max_len_b=6)
-    got = greedy_search(eos_bias(seq2seq(seed=6), 30.0), src, max_len_a=0, max_len_b=6, min_len=6)
+    want = greedy_search(logit_bias(seq2seq(seed=6), EOS, float("-inf")), src, max_len_a=0, max_len_b=6)
+    got = greedy_search(logit_bias(seq2seq(seed=6), EOS, 30.0), src, max_len_a=0, max_len_b=6, min_len=6)
     assert got == want and all(len(r) == 6 for r in got)
 
 
@@ -255,7 +255,7 @@ def test_a_sentence_that_is_done_leaves_the_batch(search, K):
     src = torch.randint(3, V, (len(lengths), max(lengths)))
     for i, n in enumerate(lengths):
         src[i, n:] = PAD
-    model = eos_bias(seq2seq(seed=9), -30.0)  # EOS only where forced
+    model = logit_bias(seq2seq(seed=9), EOS, -30.0)  # EOS only where forced
     kw = {"max_len_a": 1.0, "max_len_b": 0} | ({"beam_size": K} if search is beam_search else {})
     out, rows = decode_rows(search, model, src, **kw)
     last = max(lengths) if K == 1 else max(lengths) + 1
@@ -318,19 +318,6 @@ def test_select_rows_is_index_select():
 
 
 # ------------------------------------------------------------------------------------------ graph=True (fixed rows)
-def logit_bias(model: nn.Module, token: int, value: float) -> nn.Module:
-    """Add `value` to `token`'s logit wherever the model projects to the vocabulary (both decoding paths do)."""
-    logits = model.logits
-
-    def biased(h):
-        out = logits(h)  # (..., V)
-        out[..., token] += value
-        return out
-
-    model.logits = biased
-    return model
-
-
 @pytest.mark.parametrize("kw", [{}, {"position": "rope", "n_kv_heads": 2, "norm_position": "pre"},
                                 {"position": "learned", "max_seq_len": 16, "tie_embeddings": "none"}])
 def test_graph_decoding_gives_the_tokens_of_the_shrinking_batch(kw):
