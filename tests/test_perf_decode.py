@@ -370,14 +370,20 @@ def test_a_sentence_done_under_graph_keeps_the_hypotheses_it_had_when_done():
 def test_graph_decoding_keeps_every_row_and_reads_one_flag_a_step():
     """The decoder runs n (greedy) or n*K (beam, after its first step of n) rows at every step, finished
     sentences included, and a step still reads one thing back to the host."""
-    model = logit_bias(seq2seq(seed=3), EOS, 2.5)
+    model = logit_bias(seq2seq(seed=3), EOS, 1.0)
+    torch.manual_seed(0)
     src = torch.randint(3, V, (5, 7))
+    src[1, 2:] = PAD
+    src[3, 4:] = PAD
     rows: list[int] = []
     model.decoder.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
-    greedy_search(model, src, graph=True, max_len_a=0, max_len_b=6)
+    kw = {"max_len_a": 1.0, "max_len_b": 2}  # maximum lengths 4, 6 and 9: rows end at different steps
+    assert len({len(h) for h in greedy_search(model, src, **kw)}) >= 2
+    rows.clear()
+    greedy_search(model, src, graph=True, **kw)
     assert set(rows) == {5}
     rows.clear()
-    beam_search(model, src, beam_size=3, graph=True, max_len_a=0, max_len_b=6)
+    beam_search(model, src, beam_size=3, graph=True, **kw)
     assert rows[0] == 5 and set(rows[1:]) == {15}, rows
     for search, kw in ((greedy_search, {}), (beam_search, {"beam_size": 4})):
         per_step = (decode_syncs(search, model, src, 12, graph=True, **kw)
