@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh [--out DIR] [--locale DIR] [--wheels DIR] [--python PY]
 #   bash bench/gpu_run.sh --dry-run        # every step at toy size on a CPU, in about 2 minutes
 #   bash bench/gpu_run.sh --only train_eager,decode --out DIR   # some steps (into the same folder as others)
+#   bash bench/gpu_run.sh --only ablation --workers-per-gpu 8 --seeds 1,2 --out DIR   # the ablation's packing
 #
 # Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
 # the next one runs):
@@ -18,7 +19,7 @@
 #                     beam 4, bench/decode_vs_ct2.py)                            -> decode_ct2.json
 #   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes on one GPU, the last
 #                     checkpoints averaged, beam-4 test BLEU (attnlab demo)      -> base_bleu.json
-#   7 ablation        ablations/demo_norm_ffn.yaml with --workers-per-gpu 4      -> ablation.txt (its table)
+#   7 ablation        ablations/demo_norm_ffn.yaml, --workers-per-gpu 4 (or N)   -> ablation_w4.txt (its table)
 # Every step's output is in <out>/<step>.log; <out>/summary.md has one line per step (status, seconds).
 #
 # A GPU machine without internet brings what it lacks (prepared where pip and the catalogs are):
@@ -31,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"; ONLY=""
+DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"; ONLY=""; WPG=4; SEEDS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -40,7 +41,9 @@ while [ $# -gt 0 ]; do
     --locale) LOCALE="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
     --python) PY="$2"; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    --workers-per-gpu) WPG="$2"; shift ;;  # the ablation step's trials at once on the GPU (default 4)
+    --seeds) SEEDS="$2"; shift ;;          # the ablation step's seeds, comma-separated (default: the spec's)
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -120,13 +123,13 @@ else
   BENCH=()
   FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
   # the base model at full size, sized for 5 minutes on one GPU: gettext's ~40k pairs (a 37k vocabulary would be
-  # most of the corpus), the warmup and the checkpoint spacing a short run averages over. Noam's peak stays the
-  # paper's 7e-4 (lr 0.5 at warmup 1,000; 2017: 1.0 at 4,000): at 1.0 the post-norm model sat at the unigram
-  # loss from step 900 on and decoded BLEU 0.05 (H100, 2026-11-25, bench/RESULTS.md); twice the slots a step
-  BASE_EXTRA=(--data.vocab_size 8000 --data.max_tokens 8192 --optim.lr 0.5 --optim.warmup_steps 1000
-              --trainer.ckpt_every 250 --trainer.val_every 100000)
+  # most of the corpus), twice the paper's per-GPU slots a step, the checkpoint spacing a short run averages over.
+  # The paper's Noam schedule as it is (lr 1.0, warmup 4,000): at warmup 1,000 the post-norm model stalled at the
+  # unigram loss, with lr 1.0 (4,096 slots) and with 0.5 (8,192 slots): BLEU 0.05 and 0.07 (H100, bench/RESULTS.md)
+  BASE_EXTRA=(--data.vocab_size 8000 --data.max_tokens 8192 --trainer.ckpt_every 250 --trainer.val_every 1500
+              --decode.val_sentences 200)
   ABLATION_EXTRA='{}'
-  WORKERS=(--workers-per-gpu 4)
+  WORKERS=(--workers-per-gpu "$WPG")
 fi
 
 # 5: a real fit of the demo recipe in bf16, and the benchmark's step at the same shape, side by side
@@ -149,13 +152,15 @@ step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experimen
   --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}"
 [ -f "$OUT/runs/gpu_base/demo_results.json" ] && cp "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
 
-# 7: the CPU ablation packed onto the GPU, its data and runs under <out>
-ABLATION="$OUT/demo_norm_ffn.yaml"
-"$PY" - "$ABLATION" "$LOCALE" "$OUT" "$ABLATION_EXTRA" "$DRY" <<'EOF'
+# 7: the CPU ablation packed onto the GPU, its data and runs under <out>/ablation[_w<workers per GPU>]
+ADIR="$OUT/ablation$([ "$DRY" = 0 ] && echo "_w$WPG")"
+ABLATION="$ADIR.yaml"
+"$PY" - "$ABLATION" "$LOCALE" "$ADIR" "$ABLATION_EXTRA" "$DRY" "$SEEDS" <<'EOF'
 import json, sys
 from pathlib import Path
 import yaml
 out, locale, root, extra, dry = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5] == "1"
+seeds = sys.argv[6]
 spec = yaml.safe_load(Path("ablations/demo_norm_ffn.yaml").read_text(encoding="utf-8"))
 spec["base"] = str(Path("experiments/demo_en_de.yaml").resolve())
 over = spec.setdefault("overrides", {})
@@ -165,14 +170,16 @@ if dry:
                  "model.d_ff": 64, "data.vocab_size": 300, "data.max_tokens": 512, "trainer.val_every": 2,
                  "trainer.ckpt_every": 2, "decode.val_sentences": 8, "decode.max_len_a": 0, "decode.max_len_b": 4})
 spec.update(extra)
+if seeds:
+    spec["seeds"] = [int(x) for x in seeds.split(",")]
 out.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
 EOF
 t_ablation=$SECONDS
-step ablation $([ "$DRY" = 1 ] && echo 240 || echo 600) "${ATTNLAB[@]}" ablate run "$ABLATION" --dir "$OUT/ablation" \
+step ablation $([ "$DRY" = 1 ] && echo 240 || echo 600) "${ATTNLAB[@]}" ablate run "$ABLATION" --dir "$ADIR" \
   "${WORKERS[@]}"
 t_ablation=$((SECONDS - t_ablation))
-wanted ablation && "${ATTNLAB[@]}" ablate table "$ABLATION" --dir "$OUT/ablation" > "$OUT/ablation.txt" 2>&1
-wanted ablation && "$PY" - "$OUT/ablation/table.csv" "$t_ablation" "${WORKERS[*]}" >> "$SUMMARY" <<'EOF'
+wanted ablation && "${ATTNLAB[@]}" ablate table "$ABLATION" --dir "$ADIR" > "$ADIR.txt" 2>&1
+wanted ablation && "$PY" - "$ADIR/table.csv" "$t_ablation" "${WORKERS[*]}" >> "$SUMMARY" <<'EOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1], encoding="utf-8")))
 n, seconds = sum(int(r["n"]) for r in rows), max(int(sys.argv[2]), 1)

@@ -24,7 +24,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from attnlab.ablate.devices import gpu_slices
+from attnlab.ablate.devices import default_workers, gpu_slices
 from attnlab.ablate.figures import plot
 from attnlab.ablate.final import write_lines
 from attnlab.ablate.report import write_table
@@ -551,6 +551,30 @@ def test_gpu_slices_give_each_worker_its_own_gpus():
         gpu_slices(four, 2, -1)
     with pytest.raises(ConfigError, match="listed twice"):
         gpu_slices(["0", "0"], 1, 1)
+
+
+def test_default_workers_pack_every_gpu():
+    assert default_workers([], 1, 8) == 1  # CPU trials: one worker, in this process
+    assert default_workers(["0"], 1, 8) == 8
+    assert default_workers([str(i) for i in range(8)], 2, 3) == 12  # 4 slices of 2 GPUs, 3 workers on each
+    assert default_workers(["0", "1"], 4, 2) == 2  # trials wider than the GPUs: gpu_slices says why it fails
+    assert default_workers(["0", "1"], -1, 2) == 1
+
+
+@pytest.mark.slow
+def test_cli_workers_per_gpu_alone_packs_the_gpus(tmp_path, worker_env, monkeypatch, capsys):
+    """`ablate run --workers-per-gpu 2` on 2 GPUs starts 4 workers (it used to start one, so trials ran one at a
+    time on the first GPU): both GPUs see trials, and two trials share a GPU at once."""
+    monkeypatch.setenv("FAKE_SLEEP", "0.5")
+    spec_path = write_study(tmp_path, GRID_4x2)
+    study_dir = tmp_path / "study"
+    common = ["--dir", str(study_dir), "--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), *common, "--gpus", "0,1", "--workers-per-gpu", "2"]) == 0
+    starts, ends = read_calls(study_dir)
+    assert len(starts) == 8 and {c["cuda"] for c in starts} == {"0", "1"}
+    end_of = {c["hash"]: c["end"] for c in ends}
+    spans = sorted((c["start"], end_of[c["hash"]]) for c in starts if c["cuda"] == "0")
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)), spans  # two at once on GPU 0
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit
 from ..launch.slurm import add_slurm_args, slurm_status
 from .budget import budget_warnings
+from .devices import default_workers, trial_devices, visible_gpus
 from .effects import compare_studies, effects_report
 from .figures import plot
 from .final import DEFAULT_EVALUATE, evaluate_study
@@ -47,7 +48,9 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
-    run.add_argument("--workers", type=int, default=1, help="local worker processes (1: in this process)")
+    run.add_argument("--workers", type=int, default=None,
+                     help="local worker processes (1: in this process; default: with GPUs, every GPU slice times "
+                          "--workers-per-gpu, else 1)")
     run.add_argument("--gpus", default=None,
                      help="GPUs the workers share out, e.g. 0,1,2,3 (default: every visible GPU); each worker gets "
                           "its own resources.devices of them through CUDA_VISIBLE_DEVICES")
@@ -110,13 +113,18 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         raise ConfigError(f"attnlab ablate takes no --section.key overrides (put them in the file): {list(overrides)}")
     sub = args.ablate_command
     if sub == "run":
-        if args.workers < 1:
+        if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be >= 1")
         spec = load_spec(args.spec)
         for warning in budget_warnings(spec):
             log.warning(warning)
         gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus is not None else None
-        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, args.workers, options_from(args),
+        workers = args.workers
+        if workers is None:  # pack every GPU: --workers-per-gpu alone must not leave one worker on one GPU
+            listed = visible_gpus() if gpus is None else gpus
+            workers = default_workers(listed, trial_devices(spec) if listed else 0, args.workers_per_gpu)
+            log.info("%d local worker(s) (--workers to choose)", workers)
+        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, workers, options_from(args),
                            gpus=gpus, workers_per_gpu=args.workers_per_gpu)
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")

@@ -51,6 +51,14 @@ def gpu_slices(gpus: list[str], workers: int, per_trial: int, workers_per_gpu: i
             for i in range(workers)]
 
 
+def default_workers(gpus: list[str], per_trial: int, workers_per_gpu: int = 1) -> int:
+    """Local workers when --workers is not given: every GPU slice packed, `workers_per_gpu` workers on each group
+    of `per_trial` GPUs (8 GPUs, 1 a trial, 4 a GPU: 32); 1 without GPUs (CPU trials) or with trials of -1 devices."""
+    if not gpus or per_trial < 1:
+        return 1
+    return max(1, len(gpus) // per_trial) * max(1, workers_per_gpu)
+
+
 def trial_devices(spec: AblationSpec) -> int:
     """Devices per trial (resources.devices, else the base recipe's trainer.devices); one size for all trials."""
     if "trainer.devices" in spec.varied_keys():
