@@ -195,6 +195,37 @@ def test_translation_graph_decoding_gives_the_tokens_of_the_shrinking_batch():
     assert [[h for h, _ in s] for s in a] == [[h for h, _ in s] for s in b]
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_decode_cuda_graph_in_the_lightning_module_under_bf16_autocast(beam, monkeypatch):
+    """decode.cuda_graph: Seq2SeqModule.translate_ids (validation, test, translate) with every decoder step a CUDA
+    graph, inside bf16 autocast as Lightning's bf16-mixed runs it, twice (a second capture in a new autocast
+    region), gives the tokens of the default path. The embedding (tied to the output) is scaled up so that the
+    argmax margins stand far above bf16's rounding, which differs between the kept and the shrinking batch."""
+    from attnlab.decode import DecodeStep
+    from attnlab.lit import Seq2SeqModule
+
+    captures = []
+    capture = DecodeStep._capture
+    monkeypatch.setattr(DecodeStep, "_capture", lambda self: (captures.append(1), capture(self))[1])
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_enc_layers=2, n_dec_layers=2, dropout=0.0)
+    mods = [Seq2SeqModule(cfg, {}, decode={"cuda_graph": g}).cuda().eval() for g in (True, False)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    with torch.no_grad():
+        for m in mods:
+            m.model.encoder.embed.weight.mul_(8)
+    src = torch.randint(4, 512, (12, 20), device="cuda")
+    src[1, 12:] = 0
+    src[4, 5:] = 0
+    out = []
+    for m in (mods[0], mods[1], mods[0]):
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+            out.append(m.translate_ids(src, beam))
+        assert len(captures) == (1 if len(out) < 3 else 2)  # one capture a call with cuda_graph, none without
+    assert out[0] == out[1] == out[2]
+    assert sum(map(len, out[0])) > 12  # real outputs, not all empty
+
+
 def sdpa_ops(fn) -> set[str]:
     """The SDPA kernels (aten ops) a call runs, from the profiler: flash, efficient (memory-efficient), math."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -76,12 +76,19 @@ def _new_cache(model, static: bool, max_len: int) -> KVCache:
     return StaticKVCache(model.cfg.n_dec_layers, max_len) if static else model.new_cache()
 
 
-def _check_graph(model, what: str) -> None:
-    """The models a fixed-shape step (DecodeStep) can run: a mask over the whole static cache, no per-length bias."""
+def graph_unsupported(model) -> str | None:
+    """Why a fixed-shape step (DecodeStep) cannot run this model, or None: it needs a mask over the whole static
+    cache and no per-length bias."""
     if model.cfg.position == "alibi":
-        raise ValueError(f"{what} does not support model.position=alibi (its bias is built per length)")
+        return "does not support model.position=alibi (its bias is built per length)"
     if model.cfg.attention_backend == "flash_attn":
-        raise ValueError(f"{what} attends through a mask: use model.attention_backend=sdpa or eager")
+        return "attends through a mask: use model.attention_backend=sdpa or eager"
+    return None
+
+
+def _check_graph(model, what: str) -> None:
+    if (why := graph_unsupported(model)) is not None:
+        raise ValueError(f"{what} {why}")
 
 
 def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:

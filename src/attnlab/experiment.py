@@ -153,6 +153,7 @@ class Experiment:
             d["trainer"].pop(k)
         d["decode"].pop("max_tokens")  # how test and translate batch their decoding
         d["decode"].pop("engine")  # and what decodes
+        d["decode"].pop("cuda_graph")  # and how (the same tokens)
         d["data"].pop("min_pairs")  # a check before training, not what is trained
         for (section, key), (now, then) in HASHED_AS_BEFORE.items():
             if d[section][key] == now:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..bleu import sacrebleu_bleu
 from ..config import DecodeConfig
-from ..decode import beam_search, greedy_search
+from ..decode import beam_search, graph_unsupported, greedy_search
 from .base import BaseModule, eager_blocks
 
 
@@ -92,7 +92,8 @@ class Seq2SeqModule(BaseModule):
         c = self.decode_cfg
         beam = c.beam if beam is None else beam
         kw = dict(max_len_a=c.max_len_a, max_len_b=c.max_len_b, bos_id=self.bos_id, eos_id=self.eos_id,
-                  pad_id=self.model_cfg.pad_id)
+                  pad_id=self.model_cfg.pad_id,
+                  graph=c.cuda_graph and src.is_cuda and graph_unsupported(self.model) is None)
         with eager_blocks():  # compiled blocks (trainer.compile) would recompile for each decoding length
             if beam == 1:
                 return greedy_search(self.model, src, **kw)
