@@ -369,7 +369,8 @@ def test_a_sentence_done_under_graph_keeps_the_hypotheses_it_had_when_done():
 
 def test_graph_decoding_keeps_every_row_and_reads_one_flag_a_step():
     """The decoder runs n (greedy) or n*K (beam, after its first step of n) rows at every step, finished
-    sentences included, and a step still reads one thing back to the host."""
+    sentences included. A greedy step still reads one thing back to the host; beam search, whose whole step after
+    the first is one fixed-shape step (decode_graph.BeamGraph), reads whether all are done once every 4 steps."""
     model = logit_bias(seq2seq(seed=3), EOS, 1.0)
     torch.manual_seed(0)
     src = torch.randint(3, V, (5, 7))
@@ -385,10 +386,11 @@ def test_graph_decoding_keeps_every_row_and_reads_one_flag_a_step():
     rows.clear()
     beam_search(model, src, beam_size=3, graph=True, **kw)
     assert rows[0] == 5 and set(rows[1:]) == {15}, rows
-    for search, kw in ((greedy_search, {}), (beam_search, {"beam_size": 4})):
+    for search, kw, most in ((greedy_search, {}, 1), (beam_search, {"beam_size": 4}, 0.25),
+                             (beam_search, {"beam_size": 4, "early_stop": False, "nbest": 2}, 0.25)):
         per_step = (decode_syncs(search, model, src, 12, graph=True, **kw)
                     - decode_syncs(search, model, src, 4, graph=True, **kw)) / 8
-        assert per_step <= 1, (search.__name__, per_step)
+        assert per_step <= most, (search.__name__, per_step)
 
 
 def test_graph_decoding_refuses_what_a_fixed_step_cannot_run():

@@ -13,8 +13,10 @@ Conventions shared by the translation searches:
   (which rows are done), and the batch shrinks on the device with the indices built from it.
 - `graph=True` keeps every row to the end instead (finished ones idle, their outputs frozen) over a StaticKVCache
   whose position lives on the device, so that every decoder step has the same shapes and addresses: on CUDA the
-  step is captured once as a CUDA graph and replayed (DecodeStep); elsewhere it runs eagerly, as a check of the
-  same path. The tokens are those of the default path.
+  step is captured once as a CUDA graph and replayed (decode_graph.DecodeStep); elsewhere it runs eagerly, as a
+  check of the same path. Beam search's steps after the first are whole fixed-shape steps, the bookkeeping
+  included (decode_graph.BeamGraph), which read whether every sentence is done once every 4 steps. The tokens
+  are those of the default path.
 - Outputs exclude BOS and EOS. The hypothesis length used by the length penalty counts the EOS.
 Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 """
@@ -22,16 +24,16 @@ Special ids default to the data layer's: PAD=0, BOS=1, EOS=2.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .decode_graph import NEG_INF, BeamGraph, DecodeStep
 from .models.attention import KVCache, StaticKVCache
 from .models.transformer import DecoderOnly
 
 PAD, BOS, EOS = 0, 1, 2
-NEG_INF = float("-inf")
 GENERATE_MAX_NEW_TOKENS = 50  # attnlab generate's default, and an exported LM's generation_config
 
 
@@ -198,9 +200,8 @@ def beam_search(
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)  # K/V of each sentence computed once, one row shared by its beams
-    if graph:  # the first step too writes at the device position; the graph is captured once there are n*K rows
+    if graph:  # the first step too writes at the device position; the later ones are BeamGraph's
         cache.device_position(dev)
-    step, stored = None, [False] * B  # with graph: the decoder step; which sentences' results are stored
     # the first step decodes one row a sentence (its K beams would all be BOS) and its 2K best continuations start
     # K distinct beams; a vocabulary of fewer than 2K tokens starts from K rows, all but the first at -inf
     w = 1 if V >= 2 * K else K  # (rows a sentence at this step)
@@ -219,12 +220,7 @@ def beam_search(
     for t in range(L + 1):
         n = scores.shape[0]
         base = torch.arange(n, device=dev)[:, None] * w  # (n, 1) first row of each sentence
-        if graph and w == K and step is None:
-            step = DecodeStep.translation(model, cache, src_pad, n * K)
-        if step is not None:
-            logits = step(seqs[:, -1:])  # (n*K, V) the graph's output, overwritten by the next replay
-        else:
-            logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
+        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
         lprobs = logits.float().log_softmax(-1).view(n, w, V)  # (n, w, V)
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (n,) at max length only EOS may follow
@@ -267,13 +263,8 @@ def beam_search(
         done |= forced
         index = (base + beam).view(-1)  # (n*K,) parent row of each new beam
         flags = _host_flags(done)
-        if graph:  # a done sentence stays, idle: its hypotheses are stored once, when it is first done
-            new = [f and not s for f, s in zip(flags, stored, strict=True)]
-            flags = stored = [f or s for f, s in zip(flags, stored, strict=True)]
-        else:
-            new = flags
-        if any(new):  # store the finished sentences' hypotheses; they leave the batch (unless graph)
-            gone = torch.tensor([i for i, f in enumerate(new) if f], device=dev)  # (g,)
+        if any(flags):  # store the finished sentences' hypotheses; they leave the batch (with graph: stay, idle)
+            gone = torch.tensor([i for i, f in enumerate(flags) if f], device=dev)  # (g,)
             at = sent[gone]  # (g,)
             res_scores[at], res_len[at], res_seqs[at] = fin_scores[gone], fin_len[gone], fin_seqs[gone]
         if all(flags):
@@ -288,6 +279,15 @@ def beam_search(
         seqs = torch.cat((seqs.index_select(0, index), tok.view(-1, 1)), dim=1)  # (n*K, t+2)
         cache.reorder(index, self_only=True)  # a sentence's beams share its cross-attention row
         w = K
+        if graph:  # steps 1..L: each one fixed-shape step, decoder and bookkeeping (decode_graph.BeamGraph)
+            state = BeamGraph(
+                seqs=torch.cat((seqs, seqs.new_full((B * K, L), pad_id)), 1),  # (B*K, L+2)
+                scores=scores, fin_scores=fin_scores, fin_len=fin_len, fin_seqs=fin_seqs, res_scores=res_scores,
+                res_len=res_len, res_seqs=res_seqs, stored=torch.tensor(flags, device=dev), limit=limit,
+                bound_lp=bound_lp, lp=torch.tensor([float(length_penalty(i + 1, len_penalty, penalty))
+                                                    for i in range(L + 2)], dtype=torch.float64, device=dev))
+            state.run(model, cache, src_pad, L, eos_id, pad_id, min_len, early_stop, nbest)
+            break
     found, lengths, tokens = res_scores.tolist(), res_len.tolist(), res_seqs.tolist()  # one read at the end
     return [[(tokens[b][j][:lengths[b][j]], found[b][j]) for j in range(nbest) if found[b][j] > NEG_INF]
             or [([], NEG_INF)] for b in range(B)]
@@ -381,65 +381,6 @@ def generate(
                 n = n[: n.index(eos_id) + 1]
             out[i] = p + n
     return out
-
-
-class DecodeStep:
-    """One decoding step over a StaticKVCache with its position on the device: new tokens (G, 1) -> last
-    logits (G, V) by `forward`. Nothing in it changes shape, so on CUDA it is captured once as a CUDA graph and
-    replayed (the input is copied into a fixed tensor, the output is a fixed tensor overwritten by each replay).
-    `forward` calls the decoder stack directly: the model's id check reads the ids back to the host, which a
-    graph cannot capture, and generated ids come from the vocabulary anyway. Every tensor it reads (the
-    cache's buffers, a source mask) must keep its address from one step to the next."""
-
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], cache: StaticKVCache, batch: int,
-                 device: torch.device, compile_step: bool = False) -> None:
-        self.forward, self.cache = forward, cache
-        cache.device_position(device)
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (G, 1) the graph's input
-        self.fn = torch.compile(self._forward, fullgraph=True, dynamic=False) if compile_step else self._forward
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        if device.type == "cuda":
-            self._capture()
-
-    def _forward(self) -> torch.Tensor:
-        return self.forward(self.tok)  # (G, V)
-
-    @staticmethod
-    def lm(model: DecoderOnly, cache: StaticKVCache, batch: int, compile_step: bool = False) -> DecodeStep:
-        def forward(tok: torch.Tensor) -> torch.Tensor:
-            return model.logits(model.decoder(tok, cache=cache))[:, -1]  # (G, 1, d) -> (G, V)
-
-        return DecodeStep(forward, cache, batch, next(model.parameters()).device, compile_step)
-
-    @staticmethod
-    def translation(model, cache: StaticKVCache, src_pad: torch.Tensor | None, batch: int) -> DecodeStep:
-        """Over the cross-attention entries already in `cache` (one row per sentence, src_pad (n, S))."""
-        def forward(tok: torch.Tensor) -> torch.Tensor:
-            return model.logits(model.decoder(tok, memory_pad=src_pad, cache=cache))[:, -1]  # (G, V)
-
-        return DecodeStep(forward, cache, batch, next(model.parameters()).device)
-
-    def _capture(self) -> None:
-        saved = self.cache.pos.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up (and compile) off the default stream, as capture needs
-            for _ in range(3):
-                self.fn()  # writes the keys of the next position, which the first real step overwrites
-                self.cache.pos.copy_(saved)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.fn()  # (G, V)
-        self.cache.pos.copy_(saved)
-
-    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
-        self.tok.copy_(tok)
-        if self.graph is None:
-            return self.fn()
-        self.graph.replay()
-        return self.out
 
 
 def _generate_batch(
