@@ -10,7 +10,7 @@
 # Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
 # the next one runs):
 #   1 gpu_tests       tests/test_gpu.py (kernel names from the profiler, bf16 against fp32, CUDA-graph decoding)
-#   2 train_eager     bench/train_throughput.py, eager, with the peers           -> train_eager.json
+#   2 train_eager     bench/train_throughput.py, eager, with the peers (+ attnlab profiles) -> train_eager.json
 #   3 train_compile   bench/train_throughput.py, torch.compile, with the peers   -> train_compile.json
 #   4 decode          bench/decode_throughput.py                                  -> decode.json
 #   5 demo_fit        attnlab fit of experiments/demo_en_de.yaml, 2 minutes in bf16, and the benchmark at that
@@ -19,6 +19,7 @@
 #                     beam 4, bench/decode_vs_ct2.py)                            -> decode_ct2.json
 #   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes on one GPU, the last
 #                     checkpoints averaged, beam-4 test BLEU (attnlab demo)      -> base_bleu.json
+#     base_bench      the benchmark at that run's shape, beside its tokens/s     -> base_fit.json
 #   7 ablation        ablations/demo_norm_ffn.yaml, --workers-per-gpu 4 (or N)   -> ablation_w4.txt (its table)
 # Every step's output is in <out>/<step>.log; <out>/summary.md has one line per step (status, seconds).
 #
@@ -117,8 +118,8 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   WORKERS=(--workers 2)
 else
   step gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
-  step train_eager 240 "$PY" bench/train_throughput.py --modes eager --json "$OUT/train_eager.json"
-  step train_compile 540 "$PY" bench/train_throughput.py --modes compile --json "$OUT/train_compile.json"  # 11 rows, ~40 s each
+  step train_eager 240 "$PY" bench/train_throughput.py --modes eager --profile --json "$OUT/train_eager.json"
+  step train_compile 540 "$PY" bench/train_throughput.py --modes compile --profile --json "$OUT/train_compile.json"  # 11 rows, ~40 s each
   step decode 300 "$PY" bench/decode_throughput.py --json "$OUT/decode.json"  # 180 s ran out on an H100
   BENCH=()
   FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
@@ -151,6 +152,11 @@ step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experimen
   --data.corpus gettext:de --trainer.devices 1 --trainer.strategy auto --trainer.run_name gpu_base \
   --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}"
 [ -f "$OUT/runs/gpu_base/demo_results.json" ] && cp "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
+# the benchmark's step at that run's shape: does the loop or the shape cost the 5-minute run its tokens/s?
+step base_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager \
+  --tasks encdec --only encdec/attnlab --recipe "$OUT/runs/gpu_base/config.yaml" --json "$OUT/base_bench.json"
+wanted base_bench && "$PY" bench/fit_vs_bench.py "$OUT/runs/gpu_base" "$OUT/base_bench.json" \
+  --json "$OUT/base_fit.json" | tee -a "$OUT/base_bench.log"
 
 # 7: the CPU ablation packed onto the GPU, its data and runs under <out>/ablation[_w<workers per GPU>]
 ADIR="$OUT/ablation$([ "$DRY" = 0 ] && echo "_w$WPG")"

@@ -260,12 +260,14 @@ def measure(env: Env, task: str, name: str, mode: str, args: argparse.Namespace)
            "mfu_pct": 100 * flops / per_step / env.peak_flops, "peak_mem_GiB": peak_memory_gib(env.device),
            "warmup_s": warm}
     if args.profile and name.startswith("attnlab"):
-        profile(step, f"{task}/{name} ({mode})", env.device)
+        profile(step, f"{task}/{name} ({mode})", env.device, per_step)
     return out
 
 
-def profile(step, title: str, device: torch.device) -> None:
-    """Top kernels (CUDA) or operators (CPU) of one step by self time, and whether a flash attention kernel ran."""
+def profile(step, title: str, device: torch.device, per_step: float) -> None:
+    """Top kernels (CUDA) or operators (CPU) of one step by self time, whether a flash attention kernel ran, and on
+    CUDA the kernels' summed time against the timed step's: near 100% the GPU is busy (faster kernels help), far
+    below the host launches too slowly to keep it busy (fewer launches, CUDA graphs help)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof_ctx
 
@@ -276,6 +278,11 @@ def profile(step, title: str, device: torch.device) -> None:
     events = prof.key_averages()
     flash = any("flash" in e.key.lower() for e in events)
     print(f"\n--- profile of one step: {title}; a flash attention kernel ran: {flash}")
+    if cuda:
+        busy = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                   for e in events) / 1e6  # us -> s
+        print(f"kernels {1e3 * busy:.2f} ms of a {1e3 * per_step:.2f} ms step: the GPU busy "
+              f"{100 * busy / per_step:.0f}% of it")
     for sort in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
         try:
             print(events.table(sort_by=sort, row_limit=15, max_name_column_width=90), flush=True)

@@ -49,6 +49,9 @@ SKIP = {  # the start of a line -> why this test does not run it
     ".venv/bin/python -c \"import datasets": "downloads WMT14",
     ".venv/bin/python - <<'PY'": "reads WMT14 (downloaded, 820 MB)",
     "sbatch slurm/wmt14_base.sbatch": "needs a SLURM cluster with 8 GPUs",
+    ".venv/bin/attnlab demo -c experiments/wmt14_en_de_base.yaml": "needs a GPU: the 63M-parameter base model for 5 "
+    "minutes, then beam decoding (bench/gpu_run.sh's base_bleu step runs this command; tests/test_gpu_run.py runs it "
+    "at toy size)",
     ".venv/bin/attnlab fit -c experiments/wmt14_en_de_base.yaml": WMT,
     ".venv/bin/attnlab average --run-dir runs/wmt14_en_de_base": WMT,
     "CKPT=runs/wmt14_en_de_base": WMT,
