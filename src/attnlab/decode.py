@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .decode_graph import NEG_INF, BeamGraph, DecodeStep
+from .decode_graph import NEG_INF, BeamGraph, DecodeStep, choose_beams, force_eos
 from .models.attention import KVCache, StaticKVCache
 from .models.transformer import DecoderOnly
 
@@ -216,7 +216,6 @@ def beam_search(
     fin_len = torch.zeros(B, K, dtype=torch.long, device=dev)  # (n, K)
     res_scores, res_seqs, res_len = fin_scores.clone(), fin_seqs.clone(), fin_len.clone()  # (B, K[, L])
     bound_lp = length_penalty(limit + 1, len_penalty, penalty)  # (n,) lp of the longest possible hypothesis
-    rank = torch.arange(2 * K, device=dev)  # (2K,)
     for t in range(L + 1):
         n = scores.shape[0]
         base = torch.arange(n, device=dev)[:, None] * w  # (n, 1) first row of each sentence
@@ -225,43 +224,16 @@ def beam_search(
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (n,) at max length only EOS may follow
         if t < min_len or min(limits) <= t:  # (the host knows the limits: most steps skip this)
-            eos_lp = lprobs[..., eos_id].clone()  # (n, w)
-            if t < min_len:  # too short to end, unless at the max length
-                eos_lp.masked_fill_(~forced[:, None], NEG_INF)
-            lprobs.masked_fill_(forced[:, None, None], NEG_INF)
-            lprobs[..., eos_id] = eos_lp
-        cand = lprobs.add_(scores[:, :w, None])  # (n, w, V) in place; -inf + finite stays -inf, never NaN
-        top_scores, top_idx = cand.view(n, w * V).topk(2 * K, dim=1)  # (n, 2K), sorted best first
-        top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
-        is_eos = top_tok.eq(eos_id)  # (n, 2K)
-
-        # finish EOS candidates ranked in the top K (all hypotheses have t tokens + EOS), merged into the K best
-        # finished: a stable sort, so on a tie the earlier finished hypothesis, then the better-ranked, stays first
-        fin = is_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
-        lp = length_penalty(t + 1, len_penalty, penalty)
-        new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (n, K), float64 like Python's
-        both = torch.cat((fin_scores, new_scores), 1)  # (n, 2K): the kept ones first
-        order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (n, K)
-        fin_scores = both.gather(1, order)  # (n, K)
-        fin_len = torch.cat((fin_len, torch.full_like(fin_len, t)), 1).gather(1, order)  # (n, K)
+            force_eos(lprobs, forced, t < min_len, eos_id)
+        c = choose_beams(lprobs, scores, fin_scores, fin_len, length_penalty(t + 1, len_penalty, penalty), t, forced,
+                         bound_lp, eos_id, early_stop, nbest)
+        fin_scores, fin_len, scores, tok, done = c.fin_scores, c.fin_len, c.scores, c.tok, c.done
         if t:  # finished so far hold at most t tokens: only those columns move
-            parents = (base + top_beam[:, :K]).view(-1)  # (n*K,) the row each candidate extends
+            parents = (base + c.top_beam[:, :K]).view(-1)  # (n*K,) the row each candidate extends
             new_seqs = seqs.index_select(0, parents)[:, 1:].view(n, K, t)  # (n, K, t) drop BOS; EOS is not stored
             both_seqs = torch.cat((fin_seqs[:, :, :t], new_seqs), 1)  # (n, 2K, t)
-            fin_seqs[:, :, :t] = both_seqs.gather(1, order[..., None].expand(-1, -1, t))  # (n, K, t)
-
-        # the K best non-EOS candidates stay live (there are >= K: each beam gives at most one EOS)
-        keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (n, K), best first
-        scores = top_scores.gather(1, keep)  # (n, K)
-        beam = top_beam.gather(1, keep)  # (n, K)
-        tok = top_tok.gather(1, keep)  # (n, K)
-
-        if early_stop:
-            done = fin_scores[:, K - 1].isfinite()  # (n,) K finished
-        else:  # the nbest-th finished score (-inf while fewer) beats every live beam's best reachable one
-            done = fin_scores[:, nbest - 1] >= scores[:, 0].double() / bound_lp  # -inf live beams end it too
-        done |= forced
-        index = (base + beam).view(-1)  # (n*K,) parent row of each new beam
+            fin_seqs[:, :, :t] = both_seqs.gather(1, c.order[..., None].expand(-1, -1, t))  # (n, K, t)
+        index = (base + c.beam).view(-1)  # (n*K,) parent row of each new beam
         flags = _host_flags(done)
         if any(flags):  # store the finished sentences' hypotheses; they leave the batch (with graph: stay, idle)
             gone = torch.tensor([i for i, f in enumerate(flags) if f], device=dev)  # (g,)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,60 @@ from .models.attention import StaticKVCache
 from .models.transformer import DecoderOnly
 
 NEG_INF = float("-inf")
+
+
+def force_eos(lprobs: torch.Tensor, forced: torch.Tensor, too_short: bool | torch.Tensor, eos_id: int) -> None:
+    """In place on a step's log-probs (n, w, V): a sentence at its max length (forced (n,)) may only end, and one too
+    short to end (`too_short`, a bool or a 0-d tensor) may not, unless forced."""
+    eos_lp = lprobs[..., eos_id].masked_fill(too_short & ~forced[:, None], NEG_INF)  # (n, w)
+    lprobs.masked_fill_(forced[:, None, None], NEG_INF)
+    lprobs[..., eos_id] = eos_lp
+
+
+class BeamChoice(NamedTuple):
+    fin_scores: torch.Tensor  # (n, K) float64 the K best finished hypotheses' scores, best first (-inf: none)
+    fin_len: torch.Tensor  # (n, K) long their lengths
+    order: torch.Tensor  # (n, K) which of [the K kept, the K new] each is: to move their tokens alike
+    top_beam: torch.Tensor  # (n, 2K) the beam each of the 2K best candidates extends
+    scores: torch.Tensor  # (n, K) the log-probs of the K live beams
+    beam: torch.Tensor  # (n, K) the beam each live one extends
+    tok: torch.Tensor  # (n, K) its new token
+    done: torch.Tensor  # (n,) bool the sentence is done (or forced to be)
+
+
+def choose_beams(lprobs: torch.Tensor, scores: torch.Tensor, fin_scores: torch.Tensor, fin_len: torch.Tensor,
+                 lp: float | torch.Tensor, t: int | torch.Tensor, forced: torch.Tensor, bound_lp: torch.Tensor,
+                 eos_id: int, early_stop: bool, nbest: int) -> BeamChoice:
+    """The bookkeeping of one beam-search step (fairseq's SequenceGenerator) from its log-probs (n, w, V) of the w
+    beams a sentence has (1 at the first step), the live beams' scores (n, K) and the K best finished so far.
+
+    The 2K best continuations: an EOS among the K best finishes a hypothesis of t tokens + EOS, scored
+    log-prob / lp and merged into the K best finished by a stable sort (on a tie the earlier finished, then the
+    better-ranked, stays first); the K best non-EOS ones stay live (there are >= K: a beam gives at most one EOS).
+    Done: K finished (early_stop), else the nbest-th finished beats every live beam's best reachable score
+    (log-prob / bound_lp, exact for alpha >= 0). `lp` and `t` are numbers, or on the device (0-d or (1,))."""
+    n, w, V = lprobs.shape
+    K = scores.shape[1]
+    cand = lprobs.add_(scores[:, :w, None])  # (n, w, V) in place; -inf + finite stays -inf, never NaN
+    top_scores, top_idx = cand.view(n, w * V).topk(2 * K, dim=1)  # (n, 2K), sorted best first
+    top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
+    is_eos = top_tok.eq(eos_id)  # (n, 2K)
+    fin = is_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
+    new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (n, K), float64 like Python's
+    both = torch.cat((fin_scores, new_scores), 1)  # (n, 2K): the kept ones first
+    order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (n, K)
+    fin_scores = both.gather(1, order)  # (n, K)
+    new_len = t.expand_as(fin_len) if isinstance(t, torch.Tensor) else torch.full_like(fin_len, t)  # (n, K)
+    fin_len = torch.cat((fin_len, new_len), 1).gather(1, order)  # (n, K)
+    rank = torch.arange(2 * K, device=lprobs.device)  # (2K,)
+    keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (n, K), best first
+    scores = top_scores.gather(1, keep)  # (n, K)
+    if early_stop:
+        done = fin_scores[:, K - 1].isfinite()  # (n,) K finished
+    else:  # the nbest-th finished score (-inf while fewer) beats every live beam's best reachable one
+        done = fin_scores[:, nbest - 1] >= scores[:, 0].double() / bound_lp  # -inf live beams end it too
+    return BeamChoice(fin_scores, fin_len, order, top_beam, scores, top_beam.gather(1, keep), top_tok.gather(1, keep),
+                      done | forced)
 
 
 class DecodeStep:
@@ -116,7 +171,6 @@ class BeamGraph:
         n, K = self.scores.shape
         V, L, dev = model.cfg.vocab_size, self.fin_seqs.shape[2], self.seqs.device
         base = torch.arange(n, device=dev)[:, None] * K  # (n, 1) first row of each sentence
-        rank = torch.arange(2 * K, device=dev)  # (2K,)
 
         def step(_: torch.Tensor) -> torch.Tensor:  # one step of decode.beam_search, every shape fixed
             t = cache.pos.clone()  # () the step, on the device
@@ -125,40 +179,25 @@ class BeamGraph:
             lprobs = logits.float().log_softmax(-1).view(n, K, V)  # (n, K, V)
             lprobs[..., pad_id] = NEG_INF
             forced = self.limit <= t  # (n,) at max length only EOS may follow
-            eos_lp = lprobs[..., eos_id].masked_fill((t < min_len) & ~forced[:, None], NEG_INF)  # (n, K)
-            lprobs.masked_fill_(forced[:, None, None], NEG_INF)
-            lprobs[..., eos_id] = eos_lp
-            cand = lprobs.add_(self.scores[:, :, None])  # (n, K, V)
-            top_scores, top_idx = cand.view(n, K * V).topk(2 * K, dim=1)  # (n, 2K) best first
-            top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
-            is_eos = top_tok.eq(eos_id)  # (n, 2K)
-            fin = is_eos[:, :K] & top_scores[:, :K].isfinite()  # (n, K)
+            force_eos(lprobs, forced, t < min_len, eos_id)
             lp = self.lp.index_select(0, t.view(1))  # (1,) not lp[t]: a 0-d index tensor is read back to the host
-            new_scores = (top_scores[:, :K].double() / lp).masked_fill(~fin, NEG_INF)  # (n, K)
-            both = torch.cat((self.fin_scores, new_scores), 1)  # (n, 2K)
-            order = both.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (n, K)
-            self.fin_scores.copy_(both.gather(1, order))
-            self.fin_len.copy_(torch.cat((self.fin_len, t.expand(n, K)), 1).gather(1, order))
-            parents = (base + top_beam[:, :K]).view(-1)  # (n*K,)
+            c = choose_beams(lprobs, self.scores, self.fin_scores, self.fin_len, lp, t, forced, self.bound_lp, eos_id,
+                             early_stop, nbest)
+            self.fin_scores.copy_(c.fin_scores)
+            self.fin_len.copy_(c.fin_len)
+            parents = (base + c.top_beam[:, :K]).view(-1)  # (n*K,)
             new_seqs = self.seqs.index_select(0, parents)[:, 1:L + 1].reshape(n, K, L)  # (n, K, L) pad after t tokens
             both_seqs = torch.cat((self.fin_seqs, new_seqs), 1)  # (n, 2K, L)
-            self.fin_seqs.copy_(both_seqs.gather(1, order[..., None].expand(-1, -1, L)))
-            keep = (rank + is_eos * 2 * K).topk(K, dim=1, largest=False).indices  # (n, K) the K best non-EOS
-            scores = top_scores.gather(1, keep)  # (n, K)
-            if early_stop:
-                done = self.fin_scores[:, K - 1].isfinite()  # (n,)
-            else:
-                done = self.fin_scores[:, nbest - 1] >= scores[:, 0].double() / self.bound_lp  # (n,)
-            done = done | forced
-            new = (done & ~self.stored)[:, None]  # (n, 1) done at this step: store its hypotheses
+            self.fin_seqs.copy_(both_seqs.gather(1, c.order[..., None].expand(-1, -1, L)))
+            new = (c.done & ~self.stored)[:, None]  # (n, 1) done at this step: store its hypotheses
             self.res_scores.copy_(torch.where(new, self.fin_scores, self.res_scores))
             self.res_len.copy_(torch.where(new, self.fin_len, self.res_len))
             self.res_seqs.copy_(torch.where(new[..., None], self.fin_seqs, self.res_seqs))
-            self.stored.logical_or_(done)
-            index = (base + top_beam.gather(1, keep)).view(-1)  # (n*K,) parent row of each new beam
+            self.stored.logical_or_(c.done)
+            index = (base + c.beam).view(-1)  # (n*K,) parent row of each new beam
             self.seqs.copy_(self.seqs.index_select(0, index))
-            self.seqs.scatter_(1, (t + 1).expand(n * K, 1), top_tok.gather(1, keep).view(-1, 1))
-            self.scores.copy_(scores)
+            self.seqs.scatter_(1, (t + 1).expand(n * K, 1), c.tok.view(-1, 1))
+            self.scores.copy_(c.scores)
             cache.reorder(index, self_only=True)
             return self.stored.all()  # ()
 
