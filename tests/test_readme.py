@@ -46,6 +46,8 @@ SKIP = {  # the start of a line -> why this test does not run it
     "attnlab ablate table ablations/block_variants.yaml": "the SLURM study of the line above",
     "attnlab fit -c experiments/wmt14_en_de_base.yaml --slurm": "needs a SLURM cluster with 8 GPUs",
     "attnlab ablate run ablations/lm_block_variants.yaml": "needs 8 GPUs (on a CPU: 64 models, hours)",
+    "attnlab ablate run ablations/demo_norm_ffn.yaml --workers-per-gpu": "packs trials on a GPU (on a CPU: 4 models, 8 "
+    "minutes; tests/test_ablate_runner.py checks the packing with a fake fit)",
     ".venv/bin/python -c \"import datasets": "downloads WMT14",
     ".venv/bin/python - <<'PY'": "reads WMT14 (downloaded, 820 MB)",
     "sbatch slurm/wmt14_base.sbatch": "needs a SLURM cluster with 8 GPUs",
