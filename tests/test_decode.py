@@ -238,7 +238,7 @@ class Markov(nn.Module):
     def encode(self, src):
         return torch.zeros(*src.shape, 1), src.eq(PAD)
 
-    def decode(self, tgt, memory, src_pad, cache=None):
+    def decode(self, tgt, memory, src_pad, cache=None, check=True):
         if cache is not None:
             cache.pos += tgt.shape[1]
         return self.lp[tgt]  # (B, T, V)

@@ -401,3 +401,74 @@ def test_graph_decoding_refuses_what_a_fixed_step_cannot_run():
         model = seq2seq()
         model.cfg = model.cfg.replace(attention_backend="flash_attn")  # the check reads the config alone
         beam_search(model, src, graph=True)
+
+
+# ------------------------------------------------------------------------------------- operators a step
+def step_launches(search, model, src, **kw) -> float:
+    """Non-view operators (on a GPU: kernel launches) that each of 8 more decoding steps adds."""
+    def count(steps: int) -> int:
+        with DispatchCount() as c:
+            search(model, src, max_len_a=0, max_len_b=steps, min_len=steps, **kw)
+        return c.launches
+
+    count(1)  # first-use work (the position table) drops out
+    return (count(12) - count(4)) / 8
+
+
+@pytest.mark.parametrize("search,kw,budget", [(greedy_search, {}, 52), (beam_search, {"beam_size": 4}, 100)])
+def test_a_decode_step_of_the_2017_model_runs_a_pinned_number_of_operators(search, kw, budget):
+    """The post-norm, sinusoidal, 2-layer decoder's step: 12 projections, 4 attentions, 6 norms, 7 adds, 4 cache
+    appends, the head and the search. It was 68 (greedy) and 116 (beam 4) before the step stopped checking its
+    own ids against the vocabulary (5), recomputing the sinusoids (8) and converting the source mask in each
+    cross-attention layer (SDPA's `where`, now once a step). On a CPU each costs host time whatever the batch."""
+    model = seq2seq(dropout=0.1).eval()  # dropout in eval mode: no operator either
+    src = torch.randint(3, V, (3, 7))
+    src[0, -2:] = PAD
+    assert step_launches(search, model, src, **kw) <= budget
+
+
+def test_a_padded_batch_converts_its_mask_once_a_forward_not_once_a_layer():
+    """SDPA makes an additive mask of a bool one at every call; the Mask does it once for every layer, and the
+    attention is the same, bit for bit."""
+    model = seq2seq(n_enc_layers=3)
+    src = torch.randint(3, V, (3, 7))
+    src[0, -2:] = PAD
+    with torch.no_grad(), DispatchCount() as c:
+        model.encode(src)
+    assert c.ops["aten::where"] == 0 and c.ops["aten::masked_fill_"] == 1, c.ops
+    attn = model.encoder.layers[0].self_attn
+    x = torch.randn(3, 7, 32)  # (B, S, d)
+    pad = src.eq(PAD)  # (B, S)
+    with torch.no_grad():
+        mask = Mask(bias=~pad[:, None, None, :], key_pad=pad)
+        got = attn(x, mask)  # (B, S, d)
+        assert len(mask.additive) == 1
+        attn.backend = "eager"
+        want = attn(x, Mask(bias=~pad[:, None, None, :], key_pad=pad))
+    assert torch.allclose(got, want, atol=1e-6)
+    q, k, v = (torch.randn(3, 4, 7, 8) for _ in range(3))  # (B, H, S, hd)
+    bool_mask = ~pad[:, None, None, :]  # (B, 1, 1, S)
+    assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask),
+                       torch.nn.functional.scaled_dot_product_attention(
+                           q, k, v, attn_mask=Mask(bias=bool_mask).additive_bias(q.dtype)))
+
+
+def test_the_sinusoid_table_holds_the_functions_values():
+    """Positions from the table (an int start inside it) are the function's own, bit for bit; past its end and
+    from a device-side start they are computed as before."""
+    from attnlab.models.layers import AbsolutePositions, sinusoidal_positions
+
+    pos = AbsolutePositions(ModelConfig(vocab_size=V, d_model=32, n_heads=4, max_seq_len=40))
+    cpu = torch.device("cpu")
+    for start, n in ((0, 40), (7, 1), (39, 1), (30, 25), (45, 3)):
+        assert torch.equal(pos(start, n, cpu), sinusoidal_positions(torch.arange(start, start + n), 32))
+    assert torch.equal(pos(torch.tensor(5), 2, cpu), sinusoidal_positions(torch.arange(5, 7), 32))
+    assert pos._sines.shape == (40, 32)
+
+
+def test_a_bos_outside_the_vocabulary_is_a_clear_error():
+    model = seq2seq()
+    src = torch.randint(3, V, (2, 5))
+    for search in (greedy_search, beam_search):
+        with pytest.raises(ValueError, match=f"bos_id={V} is outside the vocabulary"):
+            search(model, src, bos_id=V)

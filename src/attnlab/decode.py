@@ -93,6 +93,18 @@ def _check_graph(model, what: str) -> None:
         raise ValueError(f"{what} {why}")
 
 
+def _step_logits(model, tok: torch.Tensor, src_pad: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+    """Logits (n, V) after the new tokens tok (n, 1) over the cache, without `model.decode`'s check of the ids
+    against the vocabulary, which the search's own ids always pass (BOS is checked once, by `_check_bos`; the
+    others come from the vocabulary's logits)."""
+    return model.decode(tok, None, src_pad, cache, check=False)[:, -1]  # (n, V)
+
+
+def _check_bos(model, bos_id: int) -> None:
+    if not 0 <= bos_id < model.cfg.vocab_size:
+        raise ValueError(f"bos_id={bos_id} is outside the vocabulary [0, {model.cfg.vocab_size}) (model.vocab_size)")
+
+
 def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
     row = row[: row.index(eos_id)] if eos_id in row else row
     return [t for t in row if t != pad_id]  # PAD is never generated: only the filler of finished rows
@@ -124,6 +136,7 @@ def greedy_search(
     if B == 0:
         return []
     L = int(limit.max())
+    _check_bos(model, bos_id)
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)
@@ -143,7 +156,7 @@ def greedy_search(
         if step is not None:
             logits = step(tok).float()  # (B, V) the graph's output, overwritten by the next replay
         else:
-            logits = model.decode(tok, None, src_pad, cache)[:, -1].float()  # (n, V)
+            logits = _step_logits(model, tok, src_pad, cache).float()  # (n, V)
         logits[:, pad_id] = NEG_INF
         if t < min_len:
             logits[:, eos_id] = NEG_INF
@@ -197,6 +210,7 @@ def beam_search(
     limit = max_lengths(model, src, max_len_a, max_len_b, pad_id)  # (B,)
     limits = limit.tolist()  # (n,) on the host too: one read of the lengths, before the loop
     L = max(limits)  # the longest output
+    _check_bos(model, bos_id)
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)  # K/V of each sentence computed once, one row shared by its beams
@@ -219,7 +233,7 @@ def beam_search(
     for t in range(L + 1):
         n = scores.shape[0]
         base = torch.arange(n, device=dev)[:, None] * w  # (n, 1) first row of each sentence
-        logits = model.decode(seqs[:, -1:], None, src_pad, cache)[:, -1]  # (n*w, V)
+        logits = _step_logits(model, seqs[:, -1:], src_pad, cache)  # (n*w, V)
         lprobs = logits.float().log_softmax(-1).view(n, w, V)  # (n, w, V)
         lprobs[..., pad_id] = NEG_INF
         forced = limit <= t  # (n,) at max length only EOS may follow

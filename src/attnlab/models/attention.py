@@ -47,6 +47,17 @@ class Mask:
     key_pad: torch.Tensor | None = None
     # flash_attn's varlen inputs (kept key rows, cumulative lengths), made once from key_pad for every layer
     varlen: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # a bool bias as SDPA's additive mask, per dtype, made at the first layer's call for every layer
+    additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    def additive_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The bool bias as the float mask SDPA makes of it at each call (0 where True, -inf where False, in the
+        queries' dtype: the same results), made once per forward instead of once per layer."""
+        if dtype not in self.additive:
+            hidden = ~self.bias  # (B|1, H|1, Tq|1, Tk)
+            self.additive[dtype] = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+                hidden, float("-inf"))
+        return self.additive[dtype]
 
     def unpadded_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row index of each kept key in the flattened (B*Tk) keys, cu_seqlens (B+1,) int32), computed at the
@@ -300,6 +311,9 @@ class Attention(nn.Module):
             else:
                 attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
             is_causal = False
+        if attn_mask is mask.bias and attn_mask is not None and attn_mask.dtype == torch.bool \
+                and not torch.compiler.is_compiling():
+            attn_mask = mask.additive_bias(q.dtype)  # (B|1, H|1, Tq|1, Tk)
         if q.device.type == "cpu":
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, **gqa

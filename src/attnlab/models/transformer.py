@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import KVCache, Mask, causal_allowed
-from .block import Block, norm_or_identity
+from .block import Block, apply_norm, norm_or_identity
 from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
 
@@ -76,7 +76,8 @@ class Stack(nn.Module):
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
         if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
             x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
-        x = self.drop(self.embed_norm(x))  # (B, T, d)
+        x = apply_norm(self.embed_norm, x)  # (B, T, d)
+        x = self.drop(x) if self.training and self.drop.p > 0 else x
         key_pad = ids.eq(self.cfg.pad_id) if padded and not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
@@ -170,10 +171,13 @@ class EncoderDecoder(_Model):
 
     def decode(
         self, tgt: torch.Tensor, memory: torch.Tensor, src_pad: torch.Tensor | None, cache: KVCache | None = None,
-        return_hidden: bool = False,
+        return_hidden: bool = False, check: bool = True,
     ) -> torch.Tensor:
-        """tgt (B, T): the whole target prefix, or with a cache only the new tokens -> logits (B, T, V)."""
-        check_ids(tgt, self.cfg.vocab_size, "target")
+        """tgt (B, T): the whole target prefix, or with a cache only the new tokens -> logits (B, T, V). `check=False`
+        skips the check of the ids against the vocabulary (five operators): for a search's own ids, which come from
+        the vocabulary's logits."""
+        if check:
+            check_ids(tgt, self.cfg.vocab_size, "target")
         h = self.decoder(tgt, memory=memory, memory_pad=src_pad, cache=cache)  # (B, T, d)
         return h if return_hidden else self.logits(h)
 
@@ -189,7 +193,8 @@ class EncoderDecoder(_Model):
         """Fill the cache's cross-attention keys/values from memory (B, S, d), one row per sentence: decoding
         B*g rows (g beams a sentence) over it, each sentence's g rows of queries attend to its one row."""
         for i, block in enumerate(self.decoder.layers):
-            cache.cross_kv[i] = block.cross_attn.memory_kv(memory)  # (B, Hkv, S, hd|hd_v) each
+            # contiguous (B, Hkv, S, hd) once, not transposed views that every step's attention reads across
+            cache.cross_kv[i] = tuple(t.contiguous() for t in block.cross_attn.memory_kv(memory))  # (B, Hkv, S, hd)
 
 
 class _OneStack(_Model):
