@@ -405,6 +405,40 @@ def test_token_batching_gives_the_sentence_batchings_translations(runs):
     assert token_batches([5, 100, 7], 64, 50) == [[0, 2], [1]]  # a sentence over the limit: a batch of its own
 
 
+
+def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(runs, monkeypatch):
+    """With torch on 2 CPU threads, translate_lines decodes 2 batches at once, one thread each (CTranslate2's
+    inter_threads), and gives the translations of one thread, each on its own line; torch's thread count is
+    back after. With 1 thread it decodes in the calling thread."""
+    import threading
+
+    module = load_module(runs["mt"] / "checkpoints" / "last.ckpt")
+    tok = Tokenizer.load(runs["mt"] / "tokenizer")
+    lines = [s for s, _ in make_pairs(60, seed=5)] + ["", "open the window 7."]
+    seen: list[tuple[str, int]] = []  # (thread, torch's thread count there) of each batch
+    real = module.translate_ids
+
+    def spy(src, beam=None):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(src, beam)
+
+    monkeypatch.setattr(module, "translate_ids", spy)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=8, max_tokens=0)
+        assert {name for name, _ in seen} == {threading.current_thread().name}
+        seen.clear()
+        torch.set_num_threads(2)
+        side = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=8, max_tokens=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert side == alone
+    assert len(seen) == 8 and {n for _, n in seen} == {1}
+    assert len({name for name, _ in seen}) == 2 and all(name.startswith("attnlab-decode") for name, _ in seen)
+
+
 # ---------------------------------------------------------------------------------------------- traps
 def test_beam_0_is_an_error_not_the_recipes_beam(runs, capsys):
     last = str(runs["mt"] / "checkpoints" / "last.ckpt")

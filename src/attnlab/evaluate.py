@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -147,18 +148,50 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
             out[i] = h
         return out
     module.to(dev)
-    # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
-    for idx in tqdm(batches, desc="translating", unit="batch", disable=None if len(batches) > 2 else True,
-                    leave=False):
+
+    def translate(idx: list[int]) -> None:
         width = max(len(encoded[i]) for i in idx)
         src = torch.full((len(idx), width), cfg.pad_id, dtype=torch.long)  # (n, S)
         for row, i in enumerate(idx):
             src[row, : len(encoded[i])] = torch.tensor(encoded[i])
-        with autocast(dev, dtype):
+        with autocast(dev, dtype):  # autocast and no_grad are per thread: set in the thread that decodes
             ids = module.translate_ids(src.to(dev), beam)
         for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
             out[i] = h
+
+    # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
+    bar = tqdm(total=len(batches), desc="translating", unit="batch", disable=None if len(batches) > 2 else True,
+               leave=False)
+    with bar, batch_workers(dev, len(batches)) as pool:
+        for _ in pool.map(translate, batches):
+            bar.update()
     return out
+
+
+@contextlib.contextmanager
+def batch_workers(device: torch.device, n_batches: int) -> Iterator[Any]:
+    """Where batches are decoded. On a CPU where torch runs N > 1 threads: N batches at once, each on one thread
+    (torch's thread count is 1 meanwhile, restored after), as CTranslate2's `inter_threads` does: a decoding step's
+    small matrices split poorly across threads, and one thread's Python work overlaps the other's kernels (torch
+    releases the GIL in its operators). Elsewhere, or for a single batch, one batch at a time in this thread."""
+    n = torch.get_num_threads() if device.type == "cpu" else 1
+    if n < 2 or n_batches < 2:
+        yield _InThread()
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(min(n, n_batches), thread_name_prefix="attnlab-decode") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(n)
+
+
+class _InThread:
+    """`map` in the calling thread, as ThreadPoolExecutor's (results in order, lazily)."""
+
+    @staticmethod
+    def map(fn, items):
+        return map(fn, items)
 
 
 @torch.no_grad()
