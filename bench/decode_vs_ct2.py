@@ -175,9 +175,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             del translator, ct2_row  # the row's default argument holds it too
             if args.int8 and args.device == "cpu":
                 int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu)
-    print(print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
-                             ("sent_per_s", "sent/s"), ("same_text", "same text"), ("bleu", "BLEU"),
-                             ("status", "status")]))
+    print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
+                       ("sent_per_s", "sent/s"), ("same_text", "same text"), ("bleu", "BLEU"), ("status", "status")])
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 

@@ -13,6 +13,8 @@
 #   2 train_eager     bench/train_throughput.py, eager, with the peers (+ attnlab profiles) -> train_eager.json
 #   3 train_compile   bench/train_throughput.py, torch.compile, with the peers   -> train_compile.json
 #   4 decode          bench/decode_throughput.py                                  -> decode.json
+#     padded_attn     attention over padded batches by each route (SDPA with a mask, jagged tensors, FlexAttention,
+#                     flash-attn varlen), mixed lengths and sorted (bench/padded_attention.py) -> padded_attn*.json
 #   5 demo_fit        attnlab fit of experiments/demo_en_de.yaml, 2 minutes in bf16, and the benchmark at that
 #                     recipe's shape                                            -> demo_fit.json (tokens/s of both)
 #     decode_ct2      that model's test split decoded by attnlab and by CTranslate2 on CUDA (fp32, greedy and
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --python) PY="$2"; shift ;;
     --workers-per-gpu) WPG="$2"; shift ;;  # the ablation step's trials at once on the GPU (default 4)
     --seeds) SEEDS="$2"; shift ;;          # the ablation step's seeds, comma-separated (default: the spec's)
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -113,6 +115,7 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
     --only encdec/attnlab,encdec/attnlab-blocks --tasks encdec --json "$OUT/train_compile.json"
   step decode 120 "$PY" bench/decode_throughput.py --cpu --repeats 1 --warmup 1 --tasks mt \
     --only mt/attnlab-greedy,mt/attnlab-beam4 --json "$OUT/decode.json"
+  step padded_attn 120 "$PY" bench/padded_attention.py --dry-run --json "$OUT/padded_attn.json"
   FIT_TIME=0.15; BASE_TIME=0.15; DEMO_EXTRA=("${TINY[@]}"); BASE_EXTRA=("${TINY[@]}" --decode.beam 2)
   ABLATION_EXTRA='{"budget": {"steps": 4}, "final_eval": false}'
   WORKERS=(--workers 2)
@@ -121,6 +124,10 @@ else
   step train_eager 240 "$PY" bench/train_throughput.py --modes eager --profile --json "$OUT/train_eager.json"
   step train_compile 540 "$PY" bench/train_throughput.py --modes compile --profile --json "$OUT/train_compile.json"  # 11 rows, ~40 s each
   step decode 300 "$PY" bench/decode_throughput.py --json "$OUT/decode.json"  # 180 s ran out on an H100
+  # attention over padded batches: mixed lengths (about half padding), then a batch sorted by length
+  step padded_attn 180 "$PY" bench/padded_attention.py --json "$OUT/padded_attn.json"
+  step padded_attn_sorted 180 "$PY" bench/padded_attention.py --min-len 56 --max-len 72 \
+    --json "$OUT/padded_attn_sorted.json"
   BENCH=()
   FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
   # the base model at full size, sized for 5 minutes on one GPU: gettext's ~40k pairs (a 37k vocabulary would be

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "demo_fit", "demo_bench", "decode_ct2", "base_bleu",
-         "base_bench", "ablation"]
+STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "padded_attn", "demo_fit", "demo_bench", "decode_ct2",
+         "base_bleu", "base_bench", "ablation"]
 
 
 def gpu_run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -32,6 +32,9 @@ def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_pa
     for name in ("train_eager", "train_compile", "decode", "demo_bench", "decode_ct2"):
         rows = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))["rows"]
         assert rows and all(row["status"] == "ok" for row in rows), rows
+    routes = {r["route"]: r for r in json.loads((out / "padded_attn.json").read_text(encoding="utf-8"))["rows"]}
+    assert all(routes[r]["status"] == "ok" for r in ("sdpa_mask", "sdpa_nomask", "jagged", "flex")), routes
+    assert routes["jagged"]["max_err"] < 1e-4 and routes["flex"]["max_err"] < 1e-4  # each agrees with the mask
     for name in ("demo_fit", "base_fit"):
         fit = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
         assert fit["fit_tokens_per_s"] > 0 and fit["bench_tokens_per_s"] > 0 and fit["fit_over_bench"] > 0
