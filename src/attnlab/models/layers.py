@@ -67,8 +67,9 @@ class AbsolutePositions(nn.Module):
         self.dim = cfg.d_model
         if self.kind == "learned":  # Gehring et al. 2017 (ConvS2S); Vaswani et al. 2017 Table 3 row (E)
             self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        # sinusoidal: positions 0 .. max_seq_len - 1 computed once per device (not state: a cache of the function,
-        # the same values, so a decoding step slices a row instead of running arange, exp, sin, cos and stack)
+        # sinusoidal: the positions used so far (a power of two of them, up to max_seq_len), computed once per device
+        # and grown on demand; not state but a cache of the function (the same values), so that a decoding step
+        # slices a row instead of running arange, exp, sin, cos and stack
         self._sines: torch.Tensor | None = None
 
     def forward(self, start: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
@@ -78,10 +79,12 @@ class AbsolutePositions(nn.Module):
                 f"sequence of {start + length} positions is longer than the learned position table "
                 f"(model.max_seq_len={self.max_len}); raise max_seq_len or truncate the input"
             )
-        if self.kind == "sinusoidal" and isinstance(start, int) and start + length <= self.max_len:
-            if self._sines is None or self._sines.device != torch.device(device):
-                self._sines = sinusoidal_positions(torch.arange(self.max_len, device=device), self.dim)  # (L, d)
-            return self._sines[start : start + length]  # (T, d)
+        end = start + length
+        if self.kind == "sinusoidal" and isinstance(start, int) and end <= self.max_len:
+            if self._sines is None or self._sines.device != torch.device(device) or len(self._sines) < end:
+                n = min(self.max_len, 1 << max(end - 1, 1).bit_length())  # rows: a power of two >= end
+                self._sines = sinusoidal_positions(torch.arange(n, device=device), self.dim)  # (n, d)
+            return self._sines[start:end]  # (T, d)
         pos = torch.arange(length, device=device) + start  # (T,)
         if self.kind == "learned":
             return self.table(pos)  # (T, d)
