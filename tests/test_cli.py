@@ -437,6 +437,18 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(r
     assert side == alone
     assert len(seen) == 8 and {n for _, n in seen} == {1}
     assert len({name for name, _ in seen}) == 2 and all(name.startswith("attnlab-decode") for name, _ in seen)
+    # a module in training mode, with dropout: decoded in eval mode throughout (no batch's search may turn training
+    # mode back on while another decodes), and left in training mode
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.3
+    module.train()
+    try:
+        torch.set_num_threads(2)
+        assert translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=8, max_tokens=0) == alone
+    finally:
+        torch.set_num_threads(threads)
+    assert module.training
 
 
 # ---------------------------------------------------------------------------------------------- traps

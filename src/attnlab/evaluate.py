@@ -162,9 +162,14 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
     bar = tqdm(total=len(batches), desc="translating", unit="batch", disable=None if len(batches) > 2 else True,
                leave=False)
-    with bar, batch_workers(dev, len(batches)) as pool:
-        for _ in pool.map(translate, batches):
-            bar.update()
+    was_training = module.training
+    module.eval()  # for the whole call: a search that restored training mode would turn dropout on in the others
+    try:
+        with bar, batch_workers(dev, len(batches)) as pool:
+            for _ in pool.map(translate, batches):
+                bar.update()
+    finally:
+        module.train(was_training)
     return out
 
 
