@@ -420,7 +420,10 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(r
 
     def spy(src, beam=None):
         seen.append((threading.current_thread().name, torch.get_num_threads()))
+        stances.append(torch._dynamo.eval_frame._stance.stance)  # compiled blocks run eagerly throughout
         return real(src, beam)
+
+    stances: list[str] = []
 
     monkeypatch.setattr(module, "translate_ids", spy)
     threads = torch.get_num_threads()
@@ -437,6 +440,7 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(r
     assert side == alone
     assert len(seen) == 8 and {n for _, n in seen} == {1}
     assert len({name for name, _ in seen}) == 2 and all(name.startswith("attnlab-decode") for name, _ in seen)
+    assert set(stances) == {"force_eager"} and torch._dynamo.eval_frame._stance.stance == "default"
     # a module in training mode, with dropout: decoded in eval mode throughout (no batch's search may turn training
     # mode back on while another decodes), and left in training mode
     for m in module.modules():

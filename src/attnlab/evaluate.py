@@ -23,6 +23,7 @@ from .checkpoints import checked, load_checkpoint, load_tokenizer, run_dir_of  #
 from .config import ConfigError, DecodeConfig, load_yaml
 from .decode import GENERATE_MAX_NEW_TOKENS, generate  # noqa: F401 (the CLI's default)
 from .lit import LMModule, MLMModule, Seq2SeqModule
+from .lit.base import eager_blocks
 
 log = logging.getLogger("attnlab")
 
@@ -165,7 +166,9 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     was_training = module.training
     module.eval()  # for the whole call: a search that restored training mode would turn dropout on in the others
     try:
-        with bar, batch_workers(dev, len(batches)) as pool:
+        # compiled blocks run eagerly for the whole call: the stance is process-wide, and searches on several threads
+        # entering and leaving it each (translate_ids) would leave it off while another still decodes
+        with bar, eager_blocks(), batch_workers(dev, len(batches)) as pool:
             for _ in pool.map(translate, batches):
                 bar.update()
     finally:
