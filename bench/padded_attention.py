@@ -1,4 +1,4 @@
-"""Attention over padded batches: which route keeps a fast kernel on a GPU (issue 23, item 5).
+"""Attention over padded batches: which route keeps a fast kernel on a GPU.
 
     python bench/padded_attention.py --json OUT.json     # CUDA, bf16, the base model's heads
     python bench/padded_attention.py --dry-run           # toy sizes on a CPU, fp32: the routes agree (no timings kept)
