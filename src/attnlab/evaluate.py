@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import sacrebleu
@@ -184,7 +185,7 @@ def batch_workers(device: torch.device, n_batches: int) -> Iterator[Any]:
     releases the GIL in its operators). Elsewhere, or for a single batch, one batch at a time in this thread."""
     n = torch.get_num_threads() if device.type == "cpu" else 1
     if n < 2 or n_batches < 2:
-        yield _InThread()
+        yield SimpleNamespace(map=map)  # `map` in this thread, as the pool's (results in order, lazily)
         return
     torch.set_num_threads(1)
     try:
@@ -192,14 +193,6 @@ def batch_workers(device: torch.device, n_batches: int) -> Iterator[Any]:
             yield pool
     finally:
         torch.set_num_threads(n)
-
-
-class _InThread:
-    """`map` in the calling thread, as ThreadPoolExecutor's (results in order, lazily)."""
-
-    @staticmethod
-    def map(fn, items):
-        return map(fn, items)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import KVCache, Mask, causal_allowed
-from .block import Block, apply_norm, norm_or_identity
+from .block import Block, active_dropout, apply_norm, norm_or_identity
 from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
 
@@ -76,8 +76,7 @@ class Stack(nn.Module):
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
         if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
             x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
-        x = apply_norm(self.embed_norm, x)  # (B, T, d)
-        x = self.drop(x) if self.training and self.drop.p > 0 else x
+        x = active_dropout(self.drop)(apply_norm(self.embed_norm, x))  # (B, T, d)
         key_pad = ids.eq(self.cfg.pad_id) if padded and not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
