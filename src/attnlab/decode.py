@@ -400,7 +400,8 @@ def _generate_batch(
         steps.append(nxt)
         if i == max_new_tokens - 1 or (eos_id is not None and done.all()):  # no host sync without EOS
             break
-        logits = step(nxt[:, None]) if step is not None else model(nxt[:, None], cache=cache)[:, -1]  # (G, V)
+        # the sampled ids come from the vocabulary's logits: no check of them against it
+        logits = step(nxt[:, None]) if step is not None else model(nxt[:, None], cache=cache, check=False)[:, -1]
     return torch.stack(steps, 1)  # (G, N)
 
 

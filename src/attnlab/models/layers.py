@@ -3,7 +3,10 @@ activations and norms in tables.py, the table their names are read from)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +60,32 @@ def sinusoidal_positions(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return pe.flatten(-2)  # (T, d)
 
 
+class PositionTable:
+    """fn(positions) kept for positions 0 .. n-1 on one device, n a power of two grown on demand up to `limit`: a
+    decoding step slices rows instead of recomputing (fn is elementwise in the positions, so the rows are the values
+    fn gives them alone). fn: (n,) positions -> a tensor or a tuple of tensors with n rows; a picklable function (a
+    module holding the table may be pickled: spawned processes). Not module state."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]], limit: int) -> None:
+        self.fn, self.limit = fn, limit
+        self.rows: tuple[torch.Tensor, ...] | None = None
+        self.single = True
+
+    def __call__(self, start: int | torch.Tensor, length: int, device: torch.device) -> Any:
+        """fn(start .. start + length - 1); from the table where `start` is an int and the end within `limit`, else
+        computed (a 0-d device tensor `start`: a StaticKVCache's, whose step must not depend on the host)."""
+        end = start + length
+        if not isinstance(start, int) or end > self.limit:
+            return self.fn(torch.arange(length, device=device) + start)
+        if self.rows is None or self.rows[0].device != torch.device(device) or len(self.rows[0]) < end:
+            n = min(self.limit, 1 << max(end - 1, 1).bit_length())  # a power of two >= end
+            out = self.fn(torch.arange(n, device=device))
+            self.single = isinstance(out, torch.Tensor)
+            self.rows = (out,) if self.single else tuple(out)
+        parts = tuple(t[start:end] for t in self.rows)  # (T, ...) each
+        return parts[0] if self.single else parts
+
+
 class AbsolutePositions(nn.Module):
     """Sinusoidal or learned absolute positions, added to the (scaled) token embeddings."""
 
@@ -67,10 +96,9 @@ class AbsolutePositions(nn.Module):
         self.dim = cfg.d_model
         if self.kind == "learned":  # Gehring et al. 2017 (ConvS2S); Vaswani et al. 2017 Table 3 row (E)
             self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        # sinusoidal: the positions used so far (a power of two of them, up to max_seq_len), computed once per device
-        # and grown on demand; not state but a cache of the function (the same values), so that a decoding step
-        # slices a row instead of running arange, exp, sin, cos and stack
-        self._sines: torch.Tensor | None = None
+        # sinusoidal: a table of the positions used so far (a decoding step slices a row instead of running arange,
+        # exp, sin, cos and stack)
+        self.sines = PositionTable(functools.partial(sinusoidal_positions, dim=cfg.d_model), cfg.max_seq_len)
 
     def forward(self, start: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
         """Positions start .. start + length - 1; `start` may be a 0-d device tensor (a StaticKVCache's)."""
@@ -79,16 +107,9 @@ class AbsolutePositions(nn.Module):
                 f"sequence of {start + length} positions is longer than the learned position table "
                 f"(model.max_seq_len={self.max_len}); raise max_seq_len or truncate the input"
             )
-        end = start + length
-        if self.kind == "sinusoidal" and isinstance(start, int) and end <= self.max_len:
-            if self._sines is None or self._sines.device != torch.device(device) or len(self._sines) < end:
-                n = min(self.max_len, 1 << max(end - 1, 1).bit_length())  # rows: a power of two >= end
-                self._sines = sinusoidal_positions(torch.arange(n, device=device), self.dim)  # (n, d)
-            return self._sines[start:end]  # (T, d)
-        pos = torch.arange(length, device=device) + start  # (T,)
-        if self.kind == "learned":
-            return self.table(pos)  # (T, d)
-        return sinusoidal_positions(pos, self.dim)  # (T, d)
+        if self.kind == "sinusoidal":
+            return self.sines(start, length, device)  # (T, d)
+        return self.table(torch.arange(length, device=device) + start)  # (T, d)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import KVCache, Mask, causal_allowed
 from .block import Block, active_dropout, apply_norm, norm_or_identity
-from .layers import AbsolutePositions, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
+from .layers import AbsolutePositions, PositionTable, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
 
 def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
@@ -38,6 +39,8 @@ class Stack(nn.Module):
         self.cfg, self.causal = cfg, causal
         self.embed = embed
         self.positions = AbsolutePositions(cfg) if cfg.position in ("sinusoidal", "learned") else None
+        rope = functools.partial(rope_cos_sin, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+        self.rope = PositionTable(rope, cfg.max_seq_len) if cfg.position == "rope" else None  # (T, r) cos, sin
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         # a norm of the embeddings before the first block (BERT, Devlin et al. 2019; BLOOM, arXiv:2211.05100)
         self.embed_norm = norm_or_identity(cfg, cfg.embed_norm)
@@ -80,10 +83,7 @@ class Stack(nn.Module):
         key_pad = ids.eq(self.cfg.pad_id) if padded and not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
         cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
-        rope = None
-        if self.cfg.position == "rope":
-            pos = torch.arange(T, device=ids.device) + start  # (T,)
-            rope = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)  # (T, r) each
+        rope = self.rope(start, T, ids.device) if self.rope is not None else None  # (T, r) cos and sin
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, memory=memory, cross_mask=cross_mask, rope=rope, cache=cache, layer=i)  # (B, T, d)
         if cache is not None:
@@ -205,10 +205,12 @@ class _OneStack(_Model):
         super().__init__(cfg, **{"decoder" if causal else "encoder": stack})
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False,
-                padded: bool = True) -> torch.Tensor:
+                padded: bool = True, check: bool = True) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, V) (or hidden states (B, T, d)). With a cache (causal only), ids are the new
-        tokens after cache.pos; an encoder's ids may be padded with pad_id (`padded=False`: known to hold none)."""
-        check_ids(ids, self.cfg.vocab_size, "input")
+        tokens after cache.pos; an encoder's ids may be padded with pad_id (`padded=False`: known to hold none).
+        `check=False` skips the check of the ids against the vocabulary: for ids sampled from the model's logits."""
+        if check:
+            check_ids(ids, self.cfg.vocab_size, "input")
         stack = self._stack()  # the only one
         if cache is not None and not stack.causal:
             raise ValueError("a KV cache is for causal decoding; an encoder attends both ways")
