@@ -50,7 +50,8 @@ class FeedForward(nn.Module):
 def sinusoidal_positions(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...) (Vaswani et al. 2017, section 3.5).
 
-    Sines and cosines are interleaved as in the paper's formula. No table: any length works.
+    Sines and cosines are interleaved as in the paper's formula. Any length works (AbsolutePositions keeps the rows it
+    has used in a PositionTable, and computes past max_seq_len).
     """
     inv_freq = torch.exp(
         torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
