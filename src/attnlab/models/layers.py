@@ -94,12 +94,11 @@ class AbsolutePositions(nn.Module):
         super().__init__()
         self.kind = cfg.position
         self.max_len = cfg.max_seq_len
-        self.dim = cfg.d_model
         if self.kind == "learned":  # Gehring et al. 2017 (ConvS2S); Vaswani et al. 2017 Table 3 row (E)
             self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        # sinusoidal: a table of the positions used so far (a decoding step slices a row instead of running arange,
-        # exp, sin, cos and stack)
-        self.sines = PositionTable(functools.partial(sinusoidal_positions, dim=cfg.d_model), cfg.max_seq_len)
+        else:  # sinusoidal: a table of the positions used so far (a decoding step slices a row instead of running
+            # arange, exp, sin, cos and stack)
+            self.sines = PositionTable(functools.partial(sinusoidal_positions, dim=cfg.d_model), cfg.max_seq_len)
 
     def forward(self, start: int | torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
         """Positions start .. start + length - 1; `start` may be a 0-d device tensor (a StaticKVCache's)."""
