@@ -52,6 +52,18 @@ def same_text(mine: list[str], out: list[str]) -> float | None:
     return sum(a == b for a, b in zip(mine, out, strict=True)) / len(out) if mine else None
 
 
+def cublas_files(device: str) -> dict:
+    """On CUDA, the cuBLAS files mapped into this process (Linux): which one CTranslate2 ran on, where gpu_run.sh
+    gave it CUDA 13's under CUDA 12's name."""
+    if device != "cuda":
+        return {}
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    return {"cublas_files": sorted({line.split()[-1] for line in maps.splitlines() if "libcublas" in line})}
+
+
 def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> None:
     """attnlab with torch's dynamic int8 quantization of its nn.Linear layers (a copy of the model), and the engine
     with CTranslate2's int8 compute: speed, the share of attnlab fp32's text, BLEU."""
@@ -161,14 +173,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     seconds, hyps = timed(call, args.repeats)
                     text = [hf_tok.decode(hf_tok.convert_tokens_to_ids(h), skip_special_tokens=True) for h in hyps]
                     return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
-                            "same_text": same_text(mine, text), "bleu": bleu(text)}
+                            "same_text": same_text(mine, text), "bleu": bleu(text), **cublas_files(args.device)}
 
                 def engine_row(beam=beam, mine=mine) -> dict:  # what `--engine ctranslate2` runs
                     seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
                                                                  engine="ctranslate2", ckpt_path=args.ckpt),
                                          args.repeats)
                     return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
-                            "same_text": same_text(mine, out), "bleu": bleu(out)}
+                            "same_text": same_text(mine, out), "bleu": bleu(out), **cublas_files(args.device)}
 
                 run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
                 run_row(rows, {**base, "row": f"attnlab --engine ctranslate2, beam {beam}"}, engine_row)

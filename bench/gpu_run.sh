@@ -150,8 +150,30 @@ step demo_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_thro
 wanted demo_bench && "$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" \
   | tee -a "$OUT/demo_bench.log"
 # attnlab's decoding beside CTranslate2's on the model just trained (issue: decoding as fast as CTranslate2)
+# CTranslate2's wheels (4.8.5) open CUDA 12's cuBLAS by name, libcublas.so.12. Where the machine has only CUDA 13's
+# (torch's, on the H100 image), CTranslate2 gets that name for it, a link in <out>/cuda12_names on its library
+# path: the nine cuBLAS functions it calls keep their signatures in cuBLAS 13. decode_ct2.json names the cuBLAS
+# file each CTranslate2 row ran on.
+CT2_ENV=()
 if [ "$DRY" = 1 ]; then CT2=(--device cpu --threads 1 --limit 20 --repeats 1); else CT2=(--device cuda); fi
-step decode_ct2 $([ "$DRY" = 1 ] && echo 120 || echo 240) "$PY" bench/decode_vs_ct2.py \
+if [ "$DRY" = 0 ] && wanted decode_ct2 && ! "$PY" -c "import ctypes; ctypes.CDLL('libcublas.so.12')" 2>/dev/null; then
+  CUBLAS13=$("$PY" -c "
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+found = [p for r in roots for p in glob.glob(os.path.join(r, 'nvidia', '**', 'libcublas.so.13'), recursive=True)]
+print(found[0] if found else '')" 2>/dev/null)
+  [ -n "$CUBLAS13" ] || CUBLAS13=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
+  if [ -n "$CUBLAS13" ]; then
+    mkdir -p "$OUT/cuda12_names"
+    ln -sf "$CUBLAS13" "$OUT/cuda12_names/libcublas.so.12"
+    for lt in "$(dirname "$CUBLAS13")"/libcublasLt.so.13*; do [ -e "$lt" ] && ln -sf "$lt" "$OUT/cuda12_names/"; done
+    CT2_ENV=(env "LD_LIBRARY_PATH=$OUT/cuda12_names${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    echo "note: no libcublas.so.12 here: CTranslate2 runs on $CUBLAS13 through that name"
+  else
+    echo "note: neither libcublas.so.12 nor .so.13 found: the CTranslate2 rows will say why they failed"
+  fi
+fi
+step decode_ct2 $([ "$DRY" = 1 ] && echo 120 || echo 240) "${CT2_ENV[@]}" "$PY" bench/decode_vs_ct2.py \
   --ckpt "$DEMO_RUN/checkpoints/last.ckpt" "${CT2[@]}" --json "$OUT/decode_ct2.json"
 
 # 6: the base model for BLEU: train, average the last checkpoints, beam-4 test BLEU (attnlab demo does all three)

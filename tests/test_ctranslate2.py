@@ -210,3 +210,49 @@ def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_
     assert all(r["status"] == "ok" and r["sent_per_s"] > 0 for r in rows), rows
     assert by_row["attnlab --engine ctranslate2, beam 1"]["same_text"] >= 0.95  # 19 of 20; near-ties aside
     assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 6
+
+
+@pytest.mark.parametrize("fails_at", ["load", "decode"])
+def test_a_gpu_without_cuda_12s_cublas_gets_what_to_install(tmp_path, monkeypatch, fails_at):
+    """CTranslate2's wheels open libcublas.so.12 by name, at loading or at the first matrix product: on a machine
+    with only CUDA 13's cuBLAS (the H100 image's) `--engine ctranslate2` on a GPU says what to install; any other
+    error of CTranslate2's passes through as it is."""
+    from attnlab import export_ct2
+    from attnlab.config import ConfigError, DecodeConfig
+
+    missing = "Library libcublas.so.12 is not found or cannot be loaded"
+
+    class Pending:
+        def __init__(self, error):
+            self.error = error
+
+        def result(self):
+            raise RuntimeError(self.error)
+
+    class FakeCT2:
+        __version__ = "4.8.5"
+        error = missing
+
+        class Translator:
+            def __init__(self, *a, **k):
+                if fails_at == "load":
+                    raise RuntimeError(FakeCT2.error)
+
+            def translate_batch(self, batch, **k):
+                return [Pending(FakeCT2.error) for _ in batch]
+
+    monkeypatch.setattr(export_ct2, "_ct2", lambda what: FakeCT2)
+    monkeypatch.setattr(export_ct2, "converted", lambda ckpt: tmp_path)
+    monkeypatch.setattr(export_ct2, "vocabulary", lambda folder: ["<pad>", "<s>", "</s>", "a", "b"])
+
+    def decode():
+        return export_ct2.ct2_translate(tmp_path / "last.ckpt", [[3, 4, 2]], [[0]], DecodeConfig(), 1,
+                                        torch.device("cuda"), None)
+
+    with pytest.raises(ConfigError) as e:
+        decode()
+    assert missing in str(e.value) and "pip install nvidia-cublas-cu12" in str(e.value)
+    assert "LD_LIBRARY_PATH" in str(e.value) and "decode.engine=attnlab" in str(e.value)
+    FakeCT2.error = "CUDA failed with error out of memory"
+    with pytest.raises(RuntimeError, match="^CUDA failed with error out of memory$"):
+        decode()

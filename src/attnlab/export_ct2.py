@@ -15,6 +15,7 @@ the tokens CTranslate2 takes (an LM's tokenizer starts every prompt with `</s>`,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -155,8 +156,9 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
     # run on several threads, CTranslate2's own intra-op threads slow it down instead (measured on 2 cores: 2
     # intra threads 232 sent/s greedy, 2 inter threads 556, 1 thread 446; bench/RESULTS.md).
     workers = torch.get_num_threads() if device.type == "cpu" else 1
-    translator = ct2.Translator(str(folder), device=device.type, device_index=device.index or 0,
-                                compute_type=compute_type(dtype), inter_threads=workers, intra_threads=1)
+    with cuda_libraries(ct2):
+        translator = ct2.Translator(str(folder), device=device.type, device_index=device.index or 0,
+                                    compute_type=compute_type(dtype), inter_threads=workers, intra_threads=1)
     vocab = vocabulary(folder)
     index = {t: i for i, t in enumerate(vocab)}
     out: list[list[int]] = [[] for _ in sources]
@@ -172,7 +174,25 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
             pending.append((idx, translator.translate_batch(
                 [[vocab[t] for t in sources[i]] for i in idx], beam_size=beam, length_penalty=decode.len_penalty,
                 max_decoding_length=max(limits[i] for i in idx), asynchronous=True)))
-    for idx, results in pending:
-        for i, r in zip(idx, results, strict=True):
-            out[i] = [index[t] for t in r.result().hypotheses[0][: limits[i]]]
+    with cuda_libraries(ct2):  # CTranslate2 opens cuBLAS at its first matrix product on a GPU
+        for idx, results in pending:
+            for i, r in zip(idx, results, strict=True):
+                out[i] = [index[t] for t in r.result().hypotheses[0][: limits[i]]]
     return out
+
+
+@contextlib.contextmanager
+def cuda_libraries(ct2):
+    """Turn CTranslate2's "Library libcublas.so.12 is not found or cannot be loaded" into a ConfigError that says
+    what to install: its PyPI wheels open CUDA 12's libraries by name, which a machine with only another CUDA's
+    (such as CUDA 13, torch's own there) lacks."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "is not found or cannot be loaded" not in str(e):
+            raise
+        raise ConfigError(
+            f"decode.engine=ctranslate2 on a GPU: CTranslate2 {getattr(ct2, '__version__', '?')} says \"{e}\". Its "
+            "wheels are built for CUDA 12: pip install nvidia-cublas-cu12 and put that package's lib folder "
+            "(site-packages/nvidia/cublas/lib) on LD_LIBRARY_PATH before starting Python, or decode with "
+            "decode.engine=attnlab") from e
