@@ -455,6 +455,32 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(r
     assert module.training
 
 
+def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them():
+    """batch_workers: 4 torch threads and 2 batches give 2 workers of 2 threads (not 2 of 1, leaving 2 cores idle);
+    8 batches give 4 workers of 1; the calling thread's count is 4 again after, and a GPU decodes in this thread."""
+    import threading
+
+    from attnlab.evaluate import batch_workers
+
+    def where(_):
+        return threading.current_thread().name, torch.get_num_threads()
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for n_batches, workers, each in ((2, 2, 2), (3, 3, 1), (8, 4, 1)):
+            with batch_workers(torch.device("cpu"), n_batches) as pool:
+                seen = list(pool.map(where, range(4 * n_batches)))
+            assert {n for _, n in seen} == {each}, (n_batches, seen)
+            assert len({name for name, _ in seen}) <= workers and all(name.startswith("attnlab-decode")
+                                                                     for name, _ in seen)
+            assert torch.get_num_threads() == 4
+        with batch_workers(torch.device("cuda"), 8) as pool:
+            assert list(pool.map(where, range(2))) == [(threading.current_thread().name, 4)] * 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------- traps
 def test_beam_0_is_an_error_not_the_recipes_beam(runs, capsys):
     last = str(runs["mt"] / "checkpoints" / "last.ckpt")

@@ -179,17 +179,21 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
 
 @contextlib.contextmanager
 def batch_workers(device: torch.device, n_batches: int) -> Iterator[Any]:
-    """Where batches are decoded. On a CPU where torch runs N > 1 threads: N batches at once, each on one thread
-    (torch's thread count is 1 meanwhile, restored after), as CTranslate2's `inter_threads` does: a decoding step's
-    small matrices split poorly across threads, and one thread's Python work overlaps the other's kernels (torch
-    releases the GIL in its operators). Elsewhere, or for a single batch, one batch at a time in this thread."""
+    """Where batches are decoded. On a CPU where torch runs N > 1 threads: N batches at once, each on one thread,
+    as CTranslate2's `inter_threads` does: a decoding step's small matrices split poorly across threads, and one
+    thread's Python work overlaps the other's kernels (torch releases the GIL in its operators). With fewer batches
+    than threads, each of the B batches gets N // B threads, so no core that torch would use sits idle (torch's
+    thread count is per thread; this thread's is restored after). Elsewhere, or for a single batch, one batch at a
+    time in this thread."""
     n = torch.get_num_threads() if device.type == "cpu" else 1
     if n < 2 or n_batches < 2:
         yield SimpleNamespace(map=map)  # `map` in this thread, as the pool's (results in order, lazily)
         return
-    torch.set_num_threads(1)
+    workers = min(n, n_batches)
+    each = n // workers
+    torch.set_num_threads(each)  # the pool's new threads take this count at their first operator
     try:
-        with ThreadPoolExecutor(min(n, n_batches), thread_name_prefix="attnlab-decode") as pool:
+        with ThreadPoolExecutor(workers, thread_name_prefix="attnlab-decode") as pool:
             yield pool
     finally:
         torch.set_num_threads(n)
