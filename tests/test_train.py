@@ -5,6 +5,7 @@ writes; clear errors for truncated, foreign and mismatched checkpoints."""
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import re
@@ -276,6 +277,45 @@ def test_run_directory_holds_config_git_tokenizer_checkpoints_and_logs(tiny_run)
 
 
 # --------------------------------------------------------------------------------------------- exact resume
+def test_a_checkpoint_is_serialized_once_and_last_ckpt_is_a_copy_of_it(tmp_path, monkeypatch):
+    """Each checkpoint serializes the state once: last.ckpt at a step whose step=N.ckpt was just written is a copy
+    of that file, made by the kernel (a base model's state is 0.6 GB), holding the same state, last.ckpt's own path
+    included, so a resume from it goes on saving into last.ckpt (not a last-v1.ckpt). Two files, not two names: a
+    damaged last.ckpt leaves the step checkpoint whole. Without sendfile the copy goes through Python."""
+    from attnlab import checkpoints, files
+
+    monkeypatch.chdir(tmp_path)
+    saves: list[str] = []
+    real = checkpoints.save_atomic
+    monkeypatch.setattr(checkpoints, "save_atomic", lambda obj, path: saves.append(Path(path).name) or real(obj, path))
+    recipe = write_recipe(tmp_path, trainer={"max_steps": 10, "val_every": 100, "ckpt_every": 4,
+                                             "keep_checkpoints": 2, "run_name": "once"})
+    ck = fit(load_experiment(recipe)) / "checkpoints"
+    # steps 4 and 8 by the interval, 10 at the end; last.ckpt never serialized on its own
+    assert saves == ["step=4.ckpt", "step=8.ckpt", "step=10.ckpt"], saves
+    assert (ck / "last.ckpt").read_bytes() == (ck / "step=10.ckpt").read_bytes()
+    assert not (ck / "last.ckpt").samefile(ck / "step=10.ckpt")
+    assert sorted(p.name for p in ck.iterdir()) == ["last.ckpt", "step=10.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    first = torch.load(ck / "step=4.ckpt", map_location="cpu", weights_only=True)  # the first copied from
+    [state] = [v for k, v in first["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert Path(state["last_model_path"]) == ck / "last.ckpt"
+    saves.clear()
+    fit(load_experiment(recipe, {"trainer.max_steps": 13}), ckpt_path="last")
+    assert saves == ["step=12.ckpt", "step=13.ckpt"], saves
+    assert sorted(p.name for p in ck.iterdir()) == ["last.ckpt", "step=10.ckpt", "step=12.ckpt", "step=13.ckpt",
+                                                    "step=8.ckpt"]  # no last-v1.ckpt, no temporary file
+    assert (ck / "last.ckpt").read_bytes() == (ck / "step=13.ckpt").read_bytes()
+    (ck / "last.ckpt").write_bytes(b"damaged")
+    assert load_checkpoint(ck / "step=13.ckpt")["global_step"] == 13
+
+    def no_sendfile(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(files.os, "sendfile", no_sendfile)
+    files.copy_atomic(ck / "step=13.ckpt", ck / "last.ckpt")
+    assert load_checkpoint(ck / "last.ckpt")["global_step"] == 13
+
+
 def test_resume_from_periodic_checkpoints_reproduces_the_losses(tmp_path, monkeypatch):
     """Checkpoints taken before a validation (mid-epoch) and at an epoch's end: resuming either gives the
     uninterrupted run's per-step losses bit for bit (dropout on, so the RNG state and the data position matter)."""

@@ -98,6 +98,29 @@ def write_group(files: list[tuple[Path, Callable[[BinaryIO], object], Callable[[
         raise disk_full(files[0][0].parent, what or names, needed, cause, kept) from e
 
 
+def copy_atomic(src: str | Path, path: str | Path, what: str | None = None) -> None:
+    """`path` written whole (write_atomic) as a copy of the file `src`, copied by the kernel (sendfile): no byte
+    passes through Python. Two files, not two names of one: damage to either leaves the other whole."""
+    size = os.path.getsize(src)
+
+    def write(f: BinaryIO) -> None:
+        with open(src, "rb") as s:
+            f.flush()
+            done = 0
+            try:
+                while done < size:
+                    n = os.sendfile(f.fileno(), s.fileno(), done, size - done)
+                    if n == 0:
+                        break
+                    done += n
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or done:
+                    raise
+                shutil.copyfileobj(s, f, 2**24)  # no sendfile between these files: through Python, 16 MiB a read
+
+    write_atomic(path, write, lambda: size, what)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """A text file (UTF-8) written whole; DiskFull when it does not fit."""
     write_texts_atomic({Path(path): text})

@@ -3,7 +3,7 @@
     config.yaml          the resolved experiment (the vocabulary the tokenizer gave it included)
     git.txt              commit and whether the tree was dirty
     tokenizer/           what translate / generate load beside a checkpoint
-    checkpoints/         step=N.ckpt (the last trainer.keep_checkpoints), last.ckpt
+    checkpoints/         step=N.ckpt (the last trainer.keep_checkpoints), last.ckpt (a copy of its step's)
     logs/metrics.csv     Lightning's CSVLogger: one row per logged step
     logs/metrics.partK.csv   the earlier attempts of a resumed run (see `keep_metrics`)
     tensorboard/         the same metrics for TensorBoard

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .bleu import sacrebleu_bleu
-from .checkpoints import AtomicCheckpointIO, check_compatible, load_checkpoint
+from .checkpoints import AtomicCheckpointIO, StepCheckpoint, check_compatible, copy_checkpoint, load_checkpoint
 from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
@@ -153,7 +153,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
                      num_nodes, devices, t.devices, t.num_nodes)
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(RequeueOnUSR1(run_dir))  # on USR1: hpc_ckpt_N.ckpt at a step boundary, `scontrol requeue`
-    ckpt = ModelCheckpoint(
+    ckpt = StepCheckpoint(
         dirpath=run_dir / "checkpoints", filename="step={step}", auto_insert_metric_name=False,
         every_n_train_steps=stretched["ckpt"] if stretched else t.ckpt_every, save_top_k=t.keep_checkpoints,
         monitor="step", mode="max",
@@ -275,9 +275,12 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     # the final state, whatever the checkpoint interval: a step checkpoint (for averaging) and last.ckpt.
     # Every rank must take the same branch (save_checkpoint is collective): rank 0 decides.
     step_ckpt = run_dir / "checkpoints" / f"step={trainer.global_step}.ckpt"
-    if trainer.strategy.broadcast(not step_ckpt.exists(), src=0):
+    last = run_dir / "checkpoints" / "last.ckpt"
+    wrote_step = trainer.strategy.broadcast(not step_ckpt.exists(), src=0)
+    if wrote_step:
         trainer.save_checkpoint(step_ckpt, weights_only=False)
-    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    if not (wrote_step and copy_checkpoint(trainer, step_ckpt, last)):  # the same state: copied, not saved again
+        trainer.save_checkpoint(last, weights_only=False)
     if trainer.global_rank == 0:
         mark_fit_done(run_dir, trainer.global_step)
     return run_dir
