@@ -314,6 +314,12 @@ def test_a_checkpoint_is_serialized_once_and_last_ckpt_is_a_copy_of_it(tmp_path,
     monkeypatch.setattr(files.os, "sendfile", no_sendfile)
     files.copy_atomic(ck / "step=13.ckpt", ck / "last.ckpt")
     assert load_checkpoint(ck / "last.ckpt")["global_step"] == 13
+    # a source that ends early (changed under the copy): an error, and the old file in place, whole
+    monkeypatch.setattr(files.os, "sendfile", lambda out, src, offset, count: min(count, 1000) if offset < 3000 else 0)
+    with pytest.raises(OSError, match="3,000 of its"):
+        files.copy_atomic(ck / "step=12.ckpt", ck / "last.ckpt")
+    assert load_checkpoint(ck / "last.ckpt")["global_step"] == 13
+    assert not [p for p in ck.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_resume_from_periodic_checkpoints_reproduces_the_losses(tmp_path, monkeypatch):

@@ -108,15 +108,15 @@ def copy_atomic(src: str | Path, path: str | Path, what: str | None = None) -> N
             f.flush()
             done = 0
             try:
-                while done < size:
-                    n = os.sendfile(f.fileno(), s.fileno(), done, size - done)
-                    if n == 0:
-                        break
+                while done < size and (n := os.sendfile(f.fileno(), s.fileno(), done, size - done)):
                     done += n
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or done:
                     raise
                 shutil.copyfileobj(s, f, 2**24)  # no sendfile between these files: through Python, 16 MiB a read
+                done = f.tell()
+            if done != size:  # the source changed under the copy: no half file in place of `path`
+                raise OSError(errno.EIO, f"copying {src}: {done:,} of its {size:,} bytes read")
 
     write_atomic(path, write, lambda: size, what)
 
