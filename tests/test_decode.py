@@ -19,6 +19,7 @@ from attnlab.decode import (
     max_lengths,
     sample_next,
 )
+from attnlab.decode_graph import choose_beams
 from attnlab.models.attention import KVCache
 from attnlab.models.transformer import build_model
 from conftest import jitter
@@ -277,6 +278,29 @@ def test_beam_finds_the_known_best_where_greedy_fails(early_stop, alpha):
                             early_stop=early_stop):
         assert hyps[0][0] == best
         assert hyps[0][1] == pytest.approx(model.log_prob(best) / length_penalty(2, alpha), abs=1e-5)
+
+
+def check_ties_keep_the_earlier_finished(device: str) -> None:
+    """choose_beams merges new finished hypotheses into the kept ones by a stable sort: on equal scores the one
+    finished earlier stays first. 8 kept and 8 new of one score in 64 sentences: an unstable sort (CUDA's is, for
+    short rows; a CPU's happens not to be) or the new ones merged first moves new lengths in."""
+    n, K, t = 64, 8, 5
+    lprobs = -2.0 - torch.arange(V, device=device, dtype=torch.float32) / V  # (V,) distinct non-EOS scores
+    lprobs = lprobs.expand(n, K, V).clone()  # (n, K, V)
+    lprobs[..., EOS] = -1.0  # every beam's EOS: K new finished of one score, the K best candidates
+    fin_scores = torch.full((n, K), -1.0, dtype=torch.float64, device=device)  # (n, K) K kept, the same score
+    fin_len = torch.arange(100, 100 + K, device=device).expand(n, K).clone()  # (n, K) their lengths
+    no = torch.zeros(n, dtype=torch.bool, device=device)
+    c = choose_beams(lprobs, torch.zeros(n, K, device=device), fin_scores, fin_len, 1.0, t, no,
+                     torch.ones((), dtype=torch.float64, device=device), EOS, early_stop=False, nbest=1)
+    assert c.fin_scores.eq(-1.0).all()
+    assert c.order.tolist() == [list(range(K))] * n  # the kept ones, in their order
+    assert c.fin_len.tolist() == [list(range(100, 100 + K))] * n
+    assert c.done.all()  # the best finished (-1) beats every live beam's bound (-2 and below)
+
+
+def test_beam_step_ties_keep_the_earlier_finished_first():
+    check_ties_keep_the_earlier_finished("cpu")
 
 
 def test_length_penalty_formulas():

@@ -1,5 +1,6 @@
 """GPU checks (skipped without CUDA): the SDPA flash kernel in bf16 against fp32 math, bf16 training against fp32
-loss curves, the chunked loss in bf16 and its memory, CUDA-graph decoding against the growing cache."""
+loss curves, the chunked loss in bf16 and its memory, CUDA-graph decoding against the growing cache, beam
+search's tie order on CUDA."""
 
 import pytest
 import torch
@@ -193,6 +194,13 @@ def test_translation_graph_decoding_gives_the_tokens_of_the_shrinking_batch():
     assert greedy_search(model, src, graph=True) == greedy_search(model, src)
     a, b = (beam_search(model, src, beam_size=4, nbest=2, graph=g) for g in (True, False))
     assert [[h for h, _ in s] for s in a] == [[h for h, _ in s] for s in b]
+
+
+def test_beam_step_ties_keep_the_earlier_finished_first_on_cuda():
+    """choose_beams' stable merge on CUDA, whose sort of a short row is not stable unless asked."""
+    from test_decode import check_ties_keep_the_earlier_finished
+
+    check_ties_keep_the_earlier_finished("cuda")
 
 
 @pytest.mark.parametrize("beam", [1, 4])
