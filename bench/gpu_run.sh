@@ -6,6 +6,7 @@
 #   bash bench/gpu_run.sh --dry-run        # every step at toy size on a CPU, in about 2 minutes
 #   bash bench/gpu_run.sh --only train_eager,decode --out DIR   # some steps (into the same folder as others)
 #   bash bench/gpu_run.sh --only ablation --workers-per-gpu 8 --seeds 1,2 --out DIR   # the ablation's packing
+#   bash bench/gpu_run.sh --only base_bleu --base-args "--model.norm_position pre" --out DIR   # a variant of it
 #
 # Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
 # the next one runs):
@@ -35,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"; ONLY=""; WPG=4; SEEDS=""
+DRY=0; OUT=""; LOCALE=""; WHEELS=""; PY="${PYTHON:-}"; ONLY=""; WPG=4; SEEDS=""; BASE_ARGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -46,11 +47,13 @@ while [ $# -gt 0 ]; do
     --python) PY="$2"; shift ;;
     --workers-per-gpu) WPG="$2"; shift ;;  # the ablation step's trials at once on the GPU (default 4)
     --seeds) SEEDS="$2"; shift ;;          # the ablation step's seeds, comma-separated (default: the spec's)
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    --base-args) BASE_ARGS="$2"; shift ;;  # more overrides for base_bleu's run, after its own (one string)
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+read -r -a BASE_ARGV <<< "$BASE_ARGS"  # words, not globbed
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -179,7 +182,7 @@ step decode_ct2 $([ "$DRY" = 1 ] && echo 120 || echo 240) "${CT2_ENV[@]}" "$PY" 
 # 6: the base model for BLEU: train, average the last checkpoints, beam-4 test BLEU (attnlab demo does all three)
 step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experiments/wmt14_en_de_base.yaml "${DATA[@]}" \
   --data.corpus gettext:de --trainer.devices 1 --trainer.strategy auto --trainer.run_name gpu_base \
-  --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}"
+  --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
 [ -f "$OUT/runs/gpu_base/demo_results.json" ] && cp "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
 # the benchmark's step at that run's shape: does the loop or the shape cost the 5-minute run its tokens/s?
 step base_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager \

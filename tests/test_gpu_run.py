@@ -61,3 +61,15 @@ def test_only_runs_the_steps_named_into_one_folder(tmp_path):
     rows = [line for line in (out / "summary.md").read_text(encoding="utf-8").splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| gpu_tests", "| train_eager"]  # after the header
     assert not (out / "decode.json").exists() and (out / "train_eager.json").exists()
+
+
+def test_base_args_reach_the_base_run(tmp_path):
+    """--base-args: overrides for base_bleu's run (a variant of the 5-minute base model without editing the
+    script), after the step's own; its run's config says so."""
+    out = tmp_path / "gpu"
+    r = gpu_run("--dry-run", "--out", str(out), "--only", "base_bleu",
+                "--base-args", "--model.norm_position pre  --optim.warmup_steps 7", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    config = (out / "runs" / "gpu_base" / "config.yaml").read_text(encoding="utf-8")
+    assert "norm_position: pre" in config and "warmup_steps: 7" in config
+    assert json.loads((out / "base_bleu.json").read_text(encoding="utf-8"))["sentences"] > 100
