@@ -1,6 +1,6 @@
 """GPU checks (skipped without CUDA): the SDPA flash kernel in bf16 against fp32 math, bf16 training against fp32
 loss curves, the chunked loss in bf16 and its memory, CUDA-graph decoding against the growing cache, beam
-search's tie order on CUDA."""
+search's tie order on CUDA, a deterministic fit repeated bit for bit."""
 
 import pytest
 import torch
@@ -278,3 +278,29 @@ def test_training_and_cached_decoding_run_fast_sdpa_kernels_unforced(n_kv_heads)
 
     kinds = sdpa_ops(decode)
     assert kinds and not kinds & {"math", "cudnn"}, kinds
+
+
+# ------------------------------------------------------------------------------------------ reproducibility
+def test_a_deterministic_fit_repeats_bit_for_bit(tmp_path):
+    """trainer.deterministic on CUDA: two `attnlab fit` processes of the same recipe (bf16, dropout, padded
+    batches, a validation that decodes) end with the same weights, bit for bit, or stop naming an op that has no
+    deterministic kernel."""
+    import subprocess
+    import sys
+
+    from attnlab.checkpoints import load_checkpoint
+    from test_train import write_recipe
+
+    recipe = write_recipe(tmp_path, model={"d_model": 128, "n_heads": 4, "n_enc_layers": 2, "n_dec_layers": 2,
+                                           "d_ff": 256, "dropout": 0.1},
+                          trainer={"max_steps": 30, "val_every": 30, "ckpt_every": 30, "deterministic": True})
+    weights = []
+    for name in ("a", "b"):
+        r = subprocess.run([sys.executable, "-m", "attnlab", "fit", "-c", str(recipe), "--trainer.run_name", name],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        ckpt = load_checkpoint(tmp_path / "runs" / name / "checkpoints" / "last.ckpt")
+        assert ckpt["global_step"] == 30
+        weights.append(ckpt["state_dict"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

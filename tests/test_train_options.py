@@ -1,6 +1,7 @@
 """Training options the README promises, each run for real on the tiny recipe of test_train: optim.accumulate (one
 step on the joined batch), optim.grad_clip (the norm the optimizer sees), trainer.keep_checkpoints (pruning),
-trainer.max_time_min (a clean stop with checkpoints), trainer.compile (the eager losses)."""
+trainer.max_time_min (a clean stop with checkpoints), trainer.compile (the eager losses), trainer.deterministic
+(torch's flags during the fit only)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,38 @@ def test_max_time_min_stops_cleanly_with_checkpoints(tmp_path):
     assert 0 < len(steps) < 100_000 and last["global_step"] == len(steps)
     assert (run_dir / "checkpoints" / f"step={len(steps)}.ckpt").exists()
     assert 3.0 <= elapsed < 60.0
+
+
+def test_deterministic_turns_torchs_deterministic_algorithms_on_for_the_fit_only(tmp_path):
+    """trainer.deterministic: torch's deterministic algorithms, cuDNN's autotuner off and cuBLAS's fixed workspace
+    in every training and validation step (where a GPU's nondeterministic kernels would run); torch's flags as they
+    were after the fit. Without it the fit leaves them alone. (Two such runs on a GPU: tests/test_gpu.py.)"""
+    def flags() -> tuple:
+        return (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+                os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+    seen: list[tuple] = []
+
+    class Flags(Callback):
+        def on_train_batch_start(self, *args) -> None:
+            seen.append(flags())
+
+        def on_validation_batch_start(self, *args) -> None:
+            seen.append(flags())
+
+    before = flags()
+    assert before[0] is False and before[2] is None
+    torch.backends.cudnn.benchmark = True  # a caller's own setting, to be given back
+    try:
+        for det in (True, False):
+            recipe = write_recipe(tmp_path, name=f"d{int(det)}", trainer={"max_steps": 2, "val_every": 2,
+                                                                          "deterministic": det})
+            fit(load_experiment(recipe), callbacks=[Flags()])
+            assert flags() == (False, True, None)
+            assert len(seen) >= 3 and set(seen) == ({(True, False, ":4096:8")} if det else {(False, True, None)})
+            seen.clear()
+    finally:
+        torch.backends.cudnn.benchmark = before[1]
 
 
 @pytest.mark.slow

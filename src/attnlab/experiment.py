@@ -56,6 +56,8 @@ class TrainConfig(StrictConfig):
     compile: bool = False  # torch.compile each block
     loss_chunk: int = 0  # > 0: training loss without the batch's logits, this many tokens at a time; 0 = plain
     seed: int = 1  # seed of initialisation, dropout and batch order
+    deterministic: bool = False  # torch's deterministic algorithms: a GPU run repeats bit for bit (slower); an op
+    # without a deterministic kernel stops the run, naming it
     runs_dir: str = "runs"  # where run directories are created
     run_name: str = ""  # "" = <recipe name>-<config hash>
     loggers: str = "csv,tensorboard"  # comma-separated: csv, tensorboard, wandb, mlflow (the last two are extras)
@@ -113,6 +115,7 @@ HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
     ("model", "v_head_dim"): (0, _ABSENT),
     ("trainer", "val_every_min"): (0.0, _ABSENT),
     ("trainer", "ckpt_every_min"): (0.0, _ABSENT),
+    ("trainer", "deterministic"): (False, _ABSENT),
 }
 
 

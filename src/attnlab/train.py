@@ -6,11 +6,13 @@ across resumes in rundir.py."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import signal
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -222,12 +224,42 @@ def resume_hint(e: DiskFull) -> DiskFull:
                              "from its last checkpoint with --ckpt-path last.")
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[None]:
+    """trainer.deterministic: torch's deterministic algorithms, cuDNN's autotuner off and cuBLAS's fixed workspace
+    (which they need on a GPU) while a fit runs; torch's flags as they were after it."""
+    if not on:
+        yield
+        return
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark, workspace = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS first runs in this process
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.backends.cudnn.benchmark = benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
 def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict | None = None,
         callbacks: list[Callback] | None = None) -> Path:
     """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
     checkpoint). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then the process exits with
     status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
-    the signal cut short is run again first: `RedoCutValidation`)."""
+    the signal cut short is run again first: `RedoCutValidation`). With trainer.deterministic, a GPU run repeats
+    bit for bit (`deterministic_algorithms`)."""
+    with deterministic_algorithms(exp.trainer.deterministic):
+        return fit_run(exp, ckpt_path, trainer_overrides, callbacks)
+
+
+def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | None,
+            callbacks: list[Callback] | None) -> Path:
     check_extras(exp)
     unused = unused_allocation()
     if unused:  # evaluations in a batch script (an ablation worker's) run on one device on purpose; training not
