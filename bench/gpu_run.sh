@@ -6,7 +6,7 @@
 #   bash bench/gpu_run.sh --dry-run        # every step at toy size on a CPU, in about 2 minutes
 #   bash bench/gpu_run.sh --only train_eager,decode --out DIR   # some steps (into the same folder as others)
 #   bash bench/gpu_run.sh --only ablation --workers-per-gpu 8 --seeds 1,2 --out DIR   # the ablation's packing
-#   bash bench/gpu_run.sh --only base_bleu --base-args "--model.norm_position pre" --out DIR   # a variant of it
+#   bash bench/gpu_run.sh --only base_bleu --base-args "--model.norm_position post" --out DIR   # a variant of it
 #
 # Steps (each under its own time limit, so that one slow step cannot eat the rest; a failed step is recorded and
 # the next one runs):
@@ -20,8 +20,8 @@
 #                     recipe's shape                                            -> demo_fit.json (tokens/s of both)
 #     decode_ct2      that model's test split decoded by attnlab and by CTranslate2 on CUDA (fp32, greedy and
 #                     beam 4, bench/decode_vs_ct2.py)                            -> decode_ct2.json
-#   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes on one GPU, the last
-#                     checkpoints averaged, beam-4 test BLEU (attnlab demo)      -> base_bleu.json
+#   6 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, pre-norm, 5 minutes on one GPU,
+#                     the last checkpoints averaged, beam-4 test BLEU (attnlab demo) -> base_bleu.json
 #     base_bench      the benchmark at that run's shape, beside its tokens/s     -> base_fit.json
 #   7 ablation        ablations/demo_norm_ffn.yaml, --workers-per-gpu 4 (or N)   -> ablation_w4.txt (its table)
 # Every step's output is in <out>/<step>.log; <out>/summary.md has one line per step (status, seconds).
@@ -135,10 +135,13 @@ else
   FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
   # the base model at full size, sized for 5 minutes on one GPU: gettext's ~40k pairs (a 37k vocabulary would be
   # most of the corpus), twice the paper's per-GPU slots a step, the checkpoint spacing a short run averages over.
-  # The paper's Noam schedule as it is (lr 1.0, warmup 4,000): at warmup 1,000 the post-norm model stalled at the
-  # unigram loss, with lr 1.0 (4,096 slots) and with 0.5 (8,192 slots): BLEU 0.05 and 0.07 (H100, bench/RESULTS.md)
+  # Pre-norm (the 5-minute peer's block), Noam with warmup 1,000 and lr 0.7 (peak 9.8e-4 at step 1,000). The
+  # paper's post-norm block stalled at the unigram loss with warmup 1,000 (H100: BLEU 0.05 and 0.07; the CPU at
+  # 1,024 slots: the same stall, where pre-norm at this schedule kept falling), and at the paper's warmup 4,000 it
+  # was still warming up after 5 minutes (H100: BLEU 25.6). bench/RESULTS.md. --base-args overrides these:
+  # --base-args "--model.norm_position post --optim.lr 1.0 --optim.warmup_steps 4000" runs the paper's own.
   BASE_EXTRA=(--data.vocab_size 8000 --data.max_tokens 8192 --trainer.ckpt_every 250 --trainer.val_every 1500
-              --decode.val_sentences 200)
+              --decode.val_sentences 200 --model.norm_position pre --optim.lr 0.7 --optim.warmup_steps 1000)
   ABLATION_EXTRA='{}'
   WORKERS=(--workers-per-gpu "$WPG")
 fi
