@@ -44,6 +44,10 @@ class Record(Callback):
 
 
 fit(load_experiment(sys.argv[1]), callbacks=[Record()])
+import os
+import torch
+Path(sys.argv[2], f"after{os.environ.get('LOCAL_RANK', '0')}.json").write_text(
+    json.dumps(torch.distributed.is_initialized()))
 '''
 
 
@@ -70,6 +74,8 @@ def test_two_process_ddp_fit_shards_batches_and_saves_a_checkpoint_that_evaluate
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
 
     seen = {k: json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)}
+    # the fit ended the process group it started, on both ranks: gloo's threads do not outlive the interpreter
+    assert [json.loads((tmp_path / f"after{k}.json").read_text()) for k in (0, 1)] == [False, False]
     assert seen[0]["world"] == seen[1]["world"] == 2
     for k in (0, 1):  # rank k trains batches k, k + 2, k + 4, ... of the epoch's order
         assert seen[k]["ids"] == [order[i].tolist() for i in range(k, 2 * steps, 2)], k

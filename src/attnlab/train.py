@@ -254,8 +254,16 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
     status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
     the signal cut short is run again first: `RedoCutValidation`). With trainer.deterministic, a GPU run repeats
     bit for bit (`deterministic_algorithms`)."""
+    dist = torch.distributed
+    ours = dist.is_available() and not dist.is_initialized()  # a process group this fit starts, this fit ends
     with deterministic_algorithms(exp.trainer.deterministic):
-        return fit_run(exp, ckpt_path, trainer_overrides, callbacks)
+        run_dir = fit_run(exp, ckpt_path, trainer_overrides, callbacks)
+    if ours and dist.is_initialized():
+        # after the last collective (the final checkpoints): a process that exits with gloo's group alive can
+        # abort at exit, "terminate called without an active exception" (pytorch/pytorch#190489), and srun then
+        # cancels the step's other tasks
+        dist.destroy_process_group()
+    return run_dir
 
 
 def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | None,
