@@ -1,6 +1,7 @@
-"""`fit` with 2 DDP processes on CPU (gloo): each rank trains on its own shard of every step's batches, and the
-checkpoint it saves evaluates (`attnlab validate`, one process) to the validation loss the 2 ranks logged. And
-trainer.strategy=fsdp on 2 gloo ranks: every Block is its own FSDP unit, the parameters sharded, training runs."""
+"""`attnlab demo` with 2 DDP processes on CPU (gloo): each rank trains on its own shard of every step's batches,
+rank 0 alone decodes and scores after the fit, and the checkpoint it saves evaluates (`attnlab validate`, one
+process) to the validation loss the 2 ranks logged. And trainer.strategy=fsdp on 2 gloo ranks: every Block is its
+own FSDP unit, the parameters sharded, training runs."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from attnlab.train import fit, prepare
 from test_train import read_metrics, write_recipe
 
 DRIVER = '''
-"""fit with a callback that records, per rank, the dataset ids of every training batch."""
+"""attnlab demo, its fit with a callback that records, per rank, the dataset ids of every training batch."""
 import json
+import os
 import sys
 from pathlib import Path
 
+import torch
+
 from lightning.pytorch.callbacks import Callback
 
-from attnlab.experiment import load_experiment
+import attnlab.cli
 from attnlab.train import fit
 
 
@@ -43,9 +47,9 @@ class Record(Callback):
         out.write_text(json.dumps({"world": trainer.world_size, "ids": self.ids}))
 
 
-fit(load_experiment(sys.argv[1]), callbacks=[Record()])
-import os
-import torch
+# `attnlab demo` (fit, average, decode, score) with the callback added to its fit
+attnlab.cli.fit = lambda exp, **kw: fit(exp, callbacks=[Record()], **kw)
+assert attnlab.cli.main(["demo", "-c", sys.argv[1]]) == 0
 Path(sys.argv[2], f"after{os.environ.get('LOCAL_RANK', '0')}.json").write_text(
     json.dumps(torch.distributed.is_initialized()))
 '''
@@ -72,6 +76,9 @@ def test_two_process_ddp_fit_shards_batches_and_saves_a_checkpoint_that_evaluate
     r = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(recipe), str(tmp_path)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    # after the fit, rank 0 alone averages, decodes the test split and writes demo_results.json: rank 1 stops
+    assert r.stdout.count("BLEU signature:") == 1, r.stdout[-3000:]
+    assert r.stdout.count("run directory:") == 1, r.stdout[-3000:]
 
     seen = {k: json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)}
     # the fit ended the process group it started, on both ranks: gloo's threads do not outlive the interpreter

@@ -44,7 +44,7 @@ from .export_ct2 import export_ctranslate2
 from .files import DiskFull
 from .launch.slurm import add_slurm_args, submit_fit
 from .models.accounting import count_parameters, training_flops
-from .train import fit, make_trainer, prepare
+from .train import fit, fit_rank, make_trainer, prepare
 
 
 def parse_overrides(rest: list[str]) -> dict[str, Any]:
@@ -158,6 +158,8 @@ def cmd_fit(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         return 0
     t0 = time.perf_counter()
     run_dir = fit(exp, ckpt_path=args.ckpt_path)
+    if fit_rank() != 0:
+        return 0
     print(f"fit done in {time.perf_counter() - t0:.0f}s; run directory: {run_dir}")
     return 0
 
@@ -210,6 +212,8 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     run_dir = fit(exp)
     times["train"] = time.perf_counter() - t0
+    if fit_rank() != 0:  # DDP's other ranks: averaging, decoding and the results are rank 0's
+        return 0
     t0 = time.perf_counter()
     paths = [str(p) for p in last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)]
     averaged = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"

@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .bleu import sacrebleu_bleu
@@ -264,6 +265,14 @@ def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict |
         # cancels the step's other tasks
         dist.destroy_process_group()
     return run_dir
+
+
+def fit_rank() -> int:
+    """The global rank of this process in the last fit (Lightning's strategy sets it when it starts the process
+    group; before that, the launcher's environment), 0 for a single process. Under DDP on one machine Lightning
+    starts ranks 1.. as copies of this command, so work after a fit (averaging, decoding, writing results) is
+    rank 0's alone."""
+    return int(rank_zero_only.rank)
 
 
 def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | None,
