@@ -130,6 +130,15 @@ def data_locale_de() -> Path:
     return LOCALE_DE.parents[1]
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A joint byte-level BPE of 320 tokens on 400 synthetic pairs: the export tests' random models use it."""
+    from attnlab.data.tokenizer import Tokenizer
+
+    pairs = make_pairs(400)
+    return Tokenizer.train([t for pair in pairs for t in pair], None, 320)
+
+
 @pytest.fixture
 def data_make_pairs() -> Callable[..., list[tuple[str, str]]]:
     return make_pairs

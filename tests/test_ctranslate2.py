@@ -123,20 +123,21 @@ def test_greedy_generation_of_the_language_model_is_attnlabs(trained):
 
 def test_a_variant_it_cannot_represent_is_refused_naming_the_fields(trained, tmp_path, capsys):
     ckpt, _, _ = trained["mt"]
-    recipe = write_recipe(tmp_path, model={"norm": "rmsnorm", "ffn": "swiglu"}, trainer={"run_name": "x",
-                                                                                         "max_steps": 2})
+    recipe = write_recipe(tmp_path, model={"qk_norm": True, "attn_softcap": 30.0, "attention_backend": "eager"},
+                          trainer={"run_name": "x", "max_steps": 2})
     assert main(["fit", "-c", str(recipe)]) == 0
     capsys.readouterr()
     assert main(["export", "--ckpt", str(tmp_path / "runs" / "x" / "checkpoints" / "last.ckpt"), "--format",
                  "ctranslate2", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "model.norm='rmsnorm' (needs 'layernorm')" in err and "model.ffn='swiglu'" in err
+    assert "CTranslate2's Transformer cannot represent this variant" in err
+    assert "model.qk_norm=True (needs False for a translation model" in err and "model.attn_softcap=30.0" in err
     assert not (tmp_path / "out").exists()
     (tmp_path / "in.txt").write_text("Open File\n", encoding="utf-8")
     assert main(["translate", "--ckpt", str(tmp_path / "runs" / "x" / "checkpoints" / "last.ckpt"), "--input",
                  str(tmp_path / "in.txt"), "--engine", "ctranslate2"]) == 2
     err = capsys.readouterr().err
-    assert "decode.engine=ctranslate2 cannot decode it" in err and "model.norm='rmsnorm'" in err
+    assert "decode.engine=ctranslate2 cannot decode it" in err and "model.attn_softcap=30.0" in err
     assert not list((tmp_path / "runs" / "x" / "ct2").iterdir())  # nothing half-made left behind
 
 

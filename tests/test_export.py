@@ -17,20 +17,13 @@ from attnlab.config import ModelConfig
 from attnlab.data.tokenizer import Tokenizer
 from attnlab.decode import generate, greedy_search
 from attnlab.models.transformer import build_model
-from conftest import make_pairs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    pairs = make_pairs(400)
-    return Tokenizer.train([t for pair in pairs for t in pair], None, 320)
-
-
 def checkpoint(tmp: Path, tok: Tokenizer, seed: int = 0, **model) -> tuple[Path, torch.nn.Module]:
-    cfg = ModelConfig(vocab_size=tok.vocab_size, dropout=0.0, max_seq_len=128, **model)
+    cfg = ModelConfig(**{"vocab_size": tok.vocab_size, "dropout": 0.0, "max_seq_len": 128, **model})
     torch.manual_seed(seed)
     net = build_model(cfg).eval()
     with torch.no_grad():

@@ -334,7 +334,7 @@ def add_device_arg(p: argparse.ArgumentParser, what: str = "decoding") -> None:
 def add_engine_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("attnlab", "ctranslate2"), default=None,
                    help="what decodes (default: decode.engine): attnlab, or CTranslate2 on this checkpoint, converted "
-                        "once into <run dir>/ct2/ (the ctranslate2 extra; variants the HF export maps)")
+                        "once into <run dir>/ct2/ (the ctranslate2 extra; what export --format ctranslate2 converts)")
 
 
 def cmd_export(args: argparse.Namespace, overrides: dict[str, Any]) -> int:

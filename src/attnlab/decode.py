@@ -68,10 +68,14 @@ def max_lengths(model, src: torch.Tensor, max_len_a: float, max_len_b: float, pa
     """Per-sentence output budget floor(a * source length + b), source length without padding -> (B,) long."""
     src_len = src.ne(pad_id).sum(1)  # (B,)
     limit = (max_len_a * src_len.double() + max_len_b).floor().long().clamp_min(0)  # (B,)
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and cfg.position == "learned":  # decoder positions 0..L must fit the table
-        limit = limit.clamp_max(cfg.max_seq_len - 1)
-    return limit
+    cap = position_cap(getattr(model, "cfg", None))
+    return limit if cap is None else limit.clamp_max(cap)
+
+
+def position_cap(cfg) -> int | None:
+    """The most output tokens a model's positions allow: a learned table's decoder positions 0..L must fit its
+    max_seq_len rows; other positions have no cap (None)."""
+    return cfg.max_seq_len - 1 if cfg is not None and cfg.position == "learned" else None
 
 
 def _new_cache(model, static: bool, max_len: int) -> KVCache:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .bleu import sacrebleu_bleu
 from .checkpoints import checked, load_checkpoint, load_tokenizer, run_dir_of  # noqa: F401 (evaluate's API too)
 from .config import ConfigError, DecodeConfig, load_yaml
-from .decode import GENERATE_MAX_NEW_TOKENS, generate  # noqa: F401 (the CLI's default)
+from .decode import GENERATE_MAX_NEW_TOKENS, generate, position_cap  # noqa: F401 (the CLI's default)
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .lit.base import eager_blocks
 
@@ -145,7 +145,8 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
             raise ValueError("translate_lines with engine=ctranslate2 needs the checkpoint file (ckpt_path)")
         from .export_ct2 import ct2_translate  # the ctranslate2 extra
 
-        ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype)
+        ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype,
+                            cap=position_cap(cfg))
         for i, h in zip(todo, tokenizer.decode_batch([ids[i] for i in todo]), strict=True):
             out[i] = h
         return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from .checkpoints import load_checkpoint, load_tokenizer
 from .config import ConfigError, ModelConfig
-from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_as_trained
+from .data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, encode_as_trained
 from .decode import GENERATE_MAX_NEW_TOKENS
 from .models.layers import sinusoidal_positions
 
@@ -70,27 +71,20 @@ def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
     return out
 
 
+def hf_refused(cfg: ModelConfig) -> str | None:
+    """Why the Hugging Face export cannot write this variant (every field that does not map), or None."""
+    if cfg.arch not in TARGETS:
+        return f"model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama, encoder_decoder -> Marian)"
+    bad = unmapped(cfg, TARGETS[cfg.arch][1])
+    return f"this variant does not map onto {TARGETS[cfg.arch][0]}: " + "; ".join(bad) if bad else None
+
+
 def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     """Write the checkpoint's model and tokenizer to `out_dir` as a Hugging Face model folder."""
     from safetensors.torch import save_file  # the [hf] extra
 
-    ckpt = load_checkpoint(ckpt_path)
-    cfg = ModelConfig.from_dict(ckpt["hyper_parameters"]["model"])
-    if cfg.arch not in TARGETS:
-        raise ConfigError(f"{ckpt_path}: model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama, "
-                          "encoder_decoder -> Marian)")
-    name, rules = TARGETS[cfg.arch]
-    bad = unmapped(cfg, rules)
-    if bad:
-        raise ConfigError(f"{ckpt_path}: this variant does not map onto {name}: " + "; ".join(bad))
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out}: exists and is not empty; give a new folder")
-    tokenizer = load_tokenizer(ckpt_path, ckpt)
-    if not tokenizer.joint:
-        raise ConfigError(f"{ckpt_path}: its source and target vocabularies differ (data.joint_vocab=false); "
-                          f"{name} needs one")
-    state = {k.removeprefix("model."): v.float() for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    cfg, state, tokenizer, out = export_inputs(ckpt_path, out_dir, hf_refused)
+    name = TARGETS[cfg.arch][0]
     tensors, config = llama(cfg, state) if cfg.arch == "decoder_only" else marian(cfg, state)
     out.mkdir(parents=True, exist_ok=True)
     # one copy each: safetensors refuses tensors that share memory (the splits of qkv_proj, the position tables)
@@ -108,6 +102,27 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     tokenizer.save(out)
     encode_as_trained(out, lm)  # sources end with </s>; an LM's prompt starts after one, as attnlab generate's
     return out
+
+
+def export_inputs(ckpt_path: str | Path, out_dir: str | Path, refused: Callable[[ModelConfig], str | None]
+                  ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, Path]:
+    """What an export reads, checked: the checkpoint's ModelConfig (`refused(cfg)`: why the target cannot take it,
+    or None), its model's state dict in fp32 (the `model.` prefix removed), its tokenizer (joint: one vocabulary
+    for source and target) and `out_dir`, which must be new or empty. Nothing is written here."""
+    ckpt = load_checkpoint(ckpt_path)
+    cfg = ModelConfig.from_dict(ckpt["hyper_parameters"]["model"])
+    why = refused(cfg)
+    if why:
+        raise ConfigError(f"{ckpt_path}: {why}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out}: exists and is not empty; give a new folder")
+    tokenizer = load_tokenizer(ckpt_path, ckpt)
+    if not tokenizer.joint:
+        raise ConfigError(f"{ckpt_path}: its source and target vocabularies differ (data.joint_vocab=false); the "
+                          "export needs one")
+    state = {k.removeprefix("model."): v.float() for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    return cfg, state, tokenizer, out
 
 
 def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -4,18 +4,21 @@ and GPU inference with `ctranslate2.Translator` (translation) or `ctranslate2.Ge
 evaluation) decodes with it: the checkpoint is converted once, into `<run dir>/ct2/<checkpoint>-<its SHA-256>/`,
 and every later decoding of the same checkpoint file loads that folder.
 
-The checkpoint is first exported to Hugging Face (export.py: Marian or Llama), then converted by CTranslate2's own
-Transformers converter, so every variant the HF export maps converts, and any other is refused with the same
-list of fields. One difference needs a loader of attnlab's own: CTranslate2's Marian loader assumes a Marian
-vocabulary (`<pad>` last, dropped, and the decoder started from a zero embedding), where attnlab keeps `<pad>` at
-id 0 and starts the decoder from `<s>`; `BosStartMarianLoader` keeps the vocabulary whole and the start token
-`<s>`. The tokenizer files go into the folder too, so `transformers.AutoTokenizer.from_pretrained(folder)` gives
-the tokens CTranslate2 takes (an LM's tokenizer starts every prompt with `</s>`, as attnlab generate does).
+The model is written as CTranslate2's own Transformer spec (`model_spec`), built from the checkpoint's ModelConfig
+and weights, not through a Hugging Face model: so every variant CTranslate2's Transformer can represent converts
+(post-, pre- and sandwich-norm; LayerNorm, with or without bias, or RMSNorm; ReLU, GELU and the GLU variants;
+biases on or off; sinusoidal, learned, rotary or no positions; MHA/GQA/MQA and head_dim; the embedding norm;
+logit soft-capping; and for a language model ALiBi, QK-norm and the parallel pre-norm block), and any other is
+refused with the list of fields at fault (`refusals`). attnlab keeps `<pad>` at id 0 and starts the decoder from
+`<s>`; the vocabulary is written whole, in id order. The tokenizer files go into the folder too, so
+`transformers.AutoTokenizer.from_pretrained(folder)` gives the tokens CTranslate2 takes (a source ends with
+`</s>`; an LM's tokenizer starts every prompt with `</s>`, as attnlab generate does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,11 +27,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .checkpoints import run_dir_of
-from .config import ConfigError, DecodeConfig
-from .export import export_hf
+from .config import ConfigError, DecodeConfig, ModelConfig
+from .data.tokenizer import BOS, EOS, UNK, encode_as_trained
+from .export import export_inputs
+from .models.layers import sinusoidal_positions
+from .models.tables import ACTIVATIONS
 
 log = logging.getLogger("attnlab")
 
@@ -46,52 +53,172 @@ def _ct2(what: str):
 
 def export_ctranslate2(ckpt_path: str | Path, out_dir: str | Path, quantization: str | None = None) -> Path:
     """Write the checkpoint as a CTranslate2 model folder (with its tokenizer) to `out_dir`."""
-    _ct2("attnlab export --format ctranslate2")
-    from ctranslate2.converters import transformers as ct2_hf  # its converters import transformers
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out}: exists and is not empty; give a new folder")
-    with tempfile.TemporaryDirectory(prefix="attnlab-hf-") as tmp:
-        hf_dir = export_hf(ckpt_path, Path(tmp) / "hf")
-        converter = AttnlabConverter(ct2_hf, str(hf_dir), copy_files=list(TOKENIZER_FILES))
-        converter.convert(str(out), quantization=quantization)
+    ct2 = _ct2("attnlab export --format ctranslate2")
+    cfg, state, tokenizer, out = export_inputs(ckpt_path, out_dir, ct2_refused)
+    tokens = [tokenizer.tgt.id_to_token(i) or f"<extra_id_{i}>" for i in range(cfg.vocab_size)]  # by id
+    spec = model_spec(ct2.specs, cfg, state, tokens)
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    with tempfile.TemporaryDirectory(prefix="attnlab-ct2-") as tmp:
+        tokenizer.save(tmp)
+        encode_as_trained(tmp, cfg.arch == "decoder_only")  # sources end with </s>; an LM's prompt starts after one
+        out.mkdir(parents=True, exist_ok=True)
+        spec.save(str(out))
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(Path(tmp) / name, out / name)
     return out
 
 
-def AttnlabConverter(ct2_hf, model_dir: str, copy_files: list[str]):  # noqa: N802 (a class made at call time)
-    """CTranslate2's TransformersConverter, with BosStartMarianLoader for Marian (the converter classes exist only
-    once the optional `ctranslate2` is imported, hence a factory)."""
+# ---------------------------------------------------------------------------------------------- the spec
+# ModelConfig fields this module maps, whatever their value (some values are refused by `refusals`); any other
+# field (one added to ModelConfig later) maps only at its default, so a new variant is never converted wrong
+MAPPED = {"arch", "vocab_size", "src_vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "v_head_dim",
+          "n_enc_layers", "n_dec_layers", "d_ff", "ffn_multiple_of", "max_seq_len", "norm", "norm_position",
+          "norm_eps", "ffn", "attn_bias", "ffn_bias", "norm_bias", "block", "qk_norm", "position", "rope_theta",
+          "rope_fraction", "tie_embeddings", "scale_embeddings", "embed_norm", "dropout", "attn_dropout",
+          "logit_softcap", "attn_softcap", "z_loss", "attention_backend", "init", "init_std", "pad_id"}
 
-    class BosStartMarianLoader(ct2_hf.MarianMTLoader):
-        """Marian as attnlab writes it: the whole vocabulary (`<pad>` is id 0, not an extra last row) and the
-        decoder started from the `<s>` embedding, not from zeros."""
 
-        def get_model_spec(self, model):
-            model.config.normalize_before = False  # post-norm, no embedding norm: what export.py maps
-            model.config.normalize_embedding = False
-            return ct2_hf.BartLoader.get_model_spec(self, model)
+def refusals(cfg: ModelConfig) -> list[str]:
+    """`model.<field>=<value> (why)` for every field whose value CTranslate2's Transformer cannot represent."""
+    out = []
+    if cfg.arch == "encoder_only":
+        out.append("model.arch='encoder_only' (needs 'encoder_decoder' or 'decoder_only': CTranslate2 decodes)")
+    if cfg.v_head_dim not in (0, cfg.d_k):
+        out.append(f"model.v_head_dim={cfg.v_head_dim} (needs 0: one head size for keys and values)")
+    if cfg.attn_softcap:
+        out.append(f"model.attn_softcap={cfg.attn_softcap} (needs 0.0: no soft-capping of attention scores)")
+    if cfg.block == "parallel" and (cfg.arch != "decoder_only" or cfg.norm_position != "pre"):
+        out.append("model.block='parallel' (needs 'serial': CTranslate2's parallel block is GPT-J's, decoder-only "
+                   "and pre-norm)")
+    if cfg.qk_norm and cfg.arch == "encoder_decoder":  # measured: its cross-attention's logits differ by ~1 nat
+        out.append("model.qk_norm=True (needs False for a translation model: CTranslate2 does not normalise the "
+                   "cross-attention's queries and keys)")
+    if cfg.position == "alibi" and cfg.arch != "decoder_only":
+        out.append("model.position='alibi' (needs 'sinusoidal', 'learned', 'rope' or 'none': ALiBi is "
+                   "decoder-only there)")
+    defaults = ModelConfig()
+    for f in dataclasses.fields(cfg):
+        if f.name not in MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name):
+            out.append(f"model.{f.name}={getattr(cfg, f.name)!r} (needs {getattr(defaults, f.name)!r})")
+    return out
 
-        def set_config(self, config, model, tokenizer):
-            config.bos_token, config.eos_token = tokenizer.bos_token, tokenizer.eos_token
-            config.unk_token = tokenizer.unk_token
-            config.decoder_start_token = tokenizer.bos_token
 
-        def set_decoder(self, spec, decoder):
-            ct2_hf.BartLoader.set_decoder(self, spec, decoder)
+def ct2_refused(cfg: ModelConfig) -> str | None:
+    """Why CTranslate2 cannot take this variant (every field at fault), or None."""
+    bad = refusals(cfg)
+    return "CTranslate2's Transformer cannot represent this variant: " + "; ".join(bad) if bad else None
 
-        def get_vocabulary(self, model, tokenizer):
-            return ct2_hf.BartLoader.get_vocabulary(self, model, tokenizer)
 
-    class Converter(ct2_hf.TransformersConverter):
-        def _load(self):
-            marian = ct2_hf._MODEL_LOADERS.get("MarianConfig")
-            ct2_hf._MODEL_LOADERS["MarianConfig"] = BosStartMarianLoader()
-            try:
-                return super()._load()
-            finally:
-                ct2_hf._MODEL_LOADERS["MarianConfig"] = marian
+def model_spec(specs, cfg: ModelConfig, s: dict[str, torch.Tensor], tokens: list[str]):
+    """The CTranslate2 model spec of an attnlab model: `specs` is ctranslate2.specs, `s` the model's state dict
+    (fp32), `tokens` the joint vocabulary by id. TransformerSpec for translation, TransformerDecoderModelSpec
+    for a language model; the caller has checked `refusals`."""
+    common = specs.common_spec
+    act = {"relu": common.Activation.RELU, "gelu": common.Activation.GELU, "reglu": common.Activation.RELU,
+           "geglu": common.Activation.GELU, "swiglu": common.Activation.SWISH}[cfg.ffn]
+    rms, sandwich, lm = cfg.norm == "rmsnorm", cfg.norm_position == "sandwich", cfg.arch == "decoder_only"
+    kw = dict(pre_norm=cfg.norm_position != "post", activation=act, ffn_glu=ACTIVATIONS[cfg.ffn].gated,
+              rms_norm=rms, layernorm_embedding=cfg.embed_norm, head_dim=cfg.d_k, qk_norm=cfg.qk_norm,
+              num_heads_kv=cfg.kv_heads if cfg.kv_heads != cfg.n_heads else None, pre_post_layer_norm=sandwich)
+    if cfg.position == "rope":  # attnlab rotates the two halves of the first rotary_dim dims (GPT-NeoX style)
+        kw |= dict(rotary_dim=cfg.rotary_dim, rotary_interleave=False, rotary_base=cfg.rope_theta)
+    dec_kw = dict(alibi=cfg.position == "alibi", parallel_residual=cfg.block == "parallel",
+                  with_encoder_attention=not lm, external_pre_post_encoder_layers=sandwich and not lm)
 
-    return Converter(model_dir, copy_files=copy_files)
+    def tensor(t: torch.Tensor) -> np.ndarray:
+        return t.detach().float().contiguous().numpy()
+
+    def norm(spec, name: str) -> None:  # a LayerNormSpec <- attnlab's norm `name`
+        spec.gamma = tensor(s[name + ".weight"])
+        if not rms:
+            bias = s.get(name + ".bias")
+            spec.beta = tensor(bias if bias is not None else torch.zeros_like(s[name + ".weight"]))
+
+    def linear(spec, name: str) -> None:
+        spec.weight = tensor(s[name + ".weight"])
+        if name + ".bias" in s:
+            spec.bias = tensor(s[name + ".bias"])
+
+    def attention(spec, name: str, cross: bool) -> None:  # linear: [qkv, out] or, cross, [q, kv, out]
+        parts = ("q_proj", "kv_proj", "out_proj") if cross else ("qkv_proj", "out_proj")
+        for lin, part in zip(spec.linear, parts, strict=True):
+            linear(lin, f"{name}.{part}")
+        if cfg.qk_norm:
+            spec.q_norm, spec.k_norm = common.LayerNormSpec(rms_norm=rms), common.LayerNormSpec(rms_norm=rms)
+            norm(spec.q_norm, name + ".q_norm")
+            norm(spec.k_norm, name + ".k_norm")
+
+    def layer(spec, a: str, cross: bool) -> None:
+        attention(spec.self_attention, a + "self_attn", cross=False)
+        if cross:
+            attention(spec.attention, a + "cross_attn", cross=True)
+        ffn = spec.ffn
+        if ACTIVATIONS[cfg.ffn].gated:
+            gate, up = s[a + "ffn.fc1.weight"].chunk(2)  # rows [gate; up]: fn(x W_gate) * (x W_up)
+            ffn.linear_0.weight, ffn.linear_0_noact.weight = tensor(gate), tensor(up)
+            if a + "ffn.fc1.bias" in s:
+                gate_b, up_b = s[a + "ffn.fc1.bias"].chunk(2)
+                ffn.linear_0.bias, ffn.linear_0_noact.bias = tensor(gate_b), tensor(up_b)
+        else:
+            linear(ffn.linear_0, a + "ffn.fc1")
+        linear(ffn.linear_1, a + "ffn.fc2")
+        if sandwich:  # Gemma's four norms: before and on the output of each sublayer
+            norms = {"input_layer_norm": "self_attn_norm", "post_attention_layer_norm": "self_attn_out_norm",
+                     "pre_feedforward_layer_norm": "ffn_norm", "post_feedforward_layer_norm": "ffn_out_norm"}
+            if cross:
+                norms |= {"external_pre_encoder_attention_layer_norm": "cross_attn_norm",
+                          "external_post_encoder_attention_layer_norm": "cross_attn_out_norm"}
+            for theirs, ours in norms.items():
+                norm(getattr(spec, theirs), a + ours)
+        elif cfg.block == "parallel":  # x + attn(n1(x)) + ffn(n2(x)): GPT-NeoX's two norms
+            spec.input_layer_norm = common.LayerNormSpec(rms_norm=rms)
+            spec.post_attention_layer_norm = common.LayerNormSpec(rms_norm=rms)
+            norm(spec.input_layer_norm, a + "self_attn_norm")
+            norm(spec.post_attention_layer_norm, a + "ffn_norm")
+        else:  # one norm a sublayer: before it (pre) or after the residual sum (post)
+            where = "_norm" if cfg.norm_position == "pre" else "_post_norm"
+            norm(spec.self_attention.layer_norm, f"{a}self_attn{where}")
+            if cross:
+                norm(spec.attention.layer_norm, f"{a}cross_attn{where}")
+            norm(ffn.layer_norm, f"{a}ffn{where}")
+
+    def stack(spec, name: str, embeddings, cross: bool) -> None:
+        embeddings.weight = tensor(s[name + ".embed.weight"])
+        spec.scale_embeddings = cfg.scale_embeddings
+        if cfg.position in ("sinusoidal", "learned", "none"):
+            rows = torch.arange(cfg.max_seq_len)
+            table = {"sinusoidal": lambda: sinusoidal_positions(rows, cfg.d_model),
+                     "learned": lambda: s[name + ".positions.table.weight"],
+                     "none": lambda: torch.zeros(cfg.max_seq_len, cfg.d_model)}[cfg.position]()  # (P, d)
+            spec.position_encodings.encodings = tensor(table)
+        if cfg.embed_norm:
+            norm(spec.layernorm_embedding, name + ".embed_norm")
+        if cfg.final_norm:
+            norm(spec.layer_norm, name + ".norm")
+        for i, layer_spec in enumerate(spec.layer):
+            layer(layer_spec, f"{name}.layers.{i}.", cross)
+
+    decoder = specs.TransformerDecoderSpec(cfg.n_dec_layers, cfg.n_heads, **kw, **dec_kw)
+    stack(decoder, "decoder", decoder.embeddings, cross=not lm)
+    decoder.projection.weight = tensor(s["head.weight"] if "head.weight" in s else s["decoder.embed.weight"])
+    if cfg.logit_softcap:
+        decoder.final_logit_softcapping = np.float32(cfg.logit_softcap)
+    if lm:
+        spec = specs.TransformerDecoderModelSpec(decoder)
+        spec.register_vocabulary(tokens)
+        spec.config.bos_token = EOS  # an LM's text starts after an EOS (export.py)
+    else:
+        encoder = specs.TransformerEncoderSpec(cfg.n_enc_layers, cfg.n_heads, **kw)
+        stack(encoder, "encoder", encoder.embeddings[0], cross=False)
+        spec = specs.TransformerSpec(encoder, decoder)
+        spec.register_source_vocabulary(tokens)
+        spec.register_target_vocabulary(tokens)
+        spec.config.bos_token, spec.config.decoder_start_token = BOS, BOS
+        spec.config.add_source_bos = spec.config.add_source_eos = False  # sources come with their </s>
+    spec.config.eos_token, spec.config.unk_token = EOS, UNK
+    spec.config.layer_norm_epsilon = cfg.norm_eps
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -140,10 +267,12 @@ def vocabulary(folder: Path) -> list[str]:
 
 
 def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list[list[int]], decode: DecodeConfig,
-                  beam: int, device: torch.device, dtype: torch.dtype | None) -> list[list[int]]:
+                  beam: int, device: torch.device, dtype: torch.dtype | None,
+                  cap: int | None = None) -> list[list[int]]:
     """Decode the token ids of `sources` (each ending in EOS), batch by batch (lists of indices), with
     CTranslate2 on `device`: beam search with `beam` and length penalty decode.len_penalty, at most
-    int(max_len_a * source length + max_len_b) tokens, as attnlab. Returns each sentence's output ids without EOS.
+    int(max_len_a * source length + max_len_b) tokens and at most `cap`, as attnlab. Returns each sentence's
+    output ids without EOS.
     A hypothesis cut at that length is scored without an EOS (attnlab, as fairseq, forces and counts one).
     CTranslate2 normalises a finished hypothesis by len^alpha, fairseq's penalty; with decode.penalty gnmt that
     form is used all the same (a warning says so)."""
@@ -162,8 +291,9 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
     vocab = vocabulary(folder)
     index = {t: i for i, t in enumerate(vocab)}
     out: list[list[int]] = [[] for _ in sources]
-    # decode.max_lengths' rule; its learned-position cap never applies here (the Marian route has sinusoids)
-    limits = [int(decode.max_len_a * len(ids) + decode.max_len_b) for ids in sources]
+    # decode.max_lengths' rule, and its cap (`cap`: decode.position_cap, a learned position table's length)
+    limits = [min(int(decode.max_len_a * len(ids) + decode.max_len_b), cap if cap is not None else 1 << 30)
+              for ids in sources]
     pending: list[tuple[list[int], list]] = []
     for batch in batches:
         # CTranslate2 takes one maximum length a batch. Greedy: decode to the batch's largest and cut each output
