@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from attnlab.config import CHOICES, ConfigError, ModelConfig
-from attnlab.experiment import from_raw, load_experiment
+from attnlab.experiment import from_raw, load_experiment, parse_value
 
 
 def test_defaults_are_the_2017_base_transformer():
@@ -88,6 +88,7 @@ def test_head_sizes_apart_from_d_model_over_n_heads():
         ({"dropout": 1.0}, ["dropout"]),
         ({"position": "rope", "d_model": 24, "n_heads": 8}, ["position", "rope_fraction"]),
         ({"rope_fraction": 0.0}, ["rope_fraction"]),
+        ({"position": "rope", "d_model": 32, "n_heads": 4, "rope_fraction": 0.1}, ["position", "rope_fraction"]),
         ({"pad_id": 99, "vocab_size": 50}, ["pad_id"]),
         ({"vocab_size": 0}, ["vocab_size"]),
     ],
@@ -116,6 +117,18 @@ def test_unknown_and_mistyped_keys_are_rejected_with_the_key_path():
         ModelConfig.from_dict({"qk_norm": 1})
     with pytest.raises(ConfigError, match=r"model\.dropout=True"):
         ModelConfig(dropout=True)
+
+
+def test_floats_in_exponent_notation_are_floats_in_recipes_and_overrides(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e-6 as a string; attnlab reads it as YAML 1.2 and as the user means it."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nmodel: {norm_eps: 1e-6}\noptim: {lr: 2E-3, beta2: .98}\ndata: {corpus: x.tsv}\n"
+                      "trainer: {run_name: '1e5'}\n", encoding="utf-8")
+    exp = load_experiment(recipe, {"optim.weight_decay": parse_value("1e-2")})
+    assert (exp.model.norm_eps, exp.optim.lr, exp.optim.beta2, exp.optim.weight_decay) == (1e-6, 2e-3, 0.98, 0.01)
+    assert exp.trainer.run_name == "1e5"  # quoted: a string still
+    assert [parse_value(t) for t in ("3e-4", "-1.5e+2", "1.0e-6", "1e", "e5", "12")] == [
+        3e-4, -150.0, 1e-6, "1e", "e5", 12]
 
 
 def test_config_is_frozen():

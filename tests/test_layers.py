@@ -252,6 +252,28 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error():
         model(ok.float(), ok)
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         model(ok[0], ok)
+    # a source vocabulary of its own is named as the field it comes from
+    model = build_model(ModelConfig(vocab_size=30, src_vocab_size=20, tie_embeddings="none", d_model=16, n_heads=2,
+                                    n_enc_layers=1, n_dec_layers=1))
+    with pytest.raises(ValueError, match=r"source token id 25 is outside the vocabulary \[0, 20\) \(model\.src_vocab"):
+        model(torch.tensor([[1, 25]]), ok)
+    with pytest.raises(ValueError, match=r"target token id 30 is outside the vocabulary \[0, 30\) \(model\.vocab_size"):
+        model(ok, torch.tensor([[1, 30]]))
+
+
+def test_eager_attention_gives_a_row_of_padding_zero_output_and_zero_gradient():
+    """A row whose keys are all padding: zeros out, as SDPA gives, and finite gradients, also with ALiBi's additive
+    bias (a softmax over -inf everywhere is NaN, and its gradient reached the weights)."""
+    for position in ("alibi", "sinusoidal"):
+        for backend in ("eager", "sdpa"):
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(arch="encoder_only", vocab_size=20, d_model=16, n_heads=2, n_enc_layers=1,
+                                            dropout=0.0, position=position, attention_backend=backend))
+            out = model(torch.tensor([[5, 6, 7], [0, 0, 0]]))  # (2, 3, V): the second row only padding (pad_id 0)
+            out.pow(2).mean().backward()
+            assert torch.isfinite(out).all(), (position, backend)
+            bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+            assert not bad, (position, backend, bad)
 
 
 

@@ -12,6 +12,7 @@ import functools
 import inspect
 import io
 import math
+import re
 import tokenize
 import types
 import typing
@@ -141,8 +142,10 @@ class ModelConfig(StrictConfig):
             raise ConfigError(f"model.arch={self.arch} needs model.n_enc_layers >= 1")
         if self.arch in ("encoder_decoder", "decoder_only") and self.n_dec_layers < 1:
             raise ConfigError(f"model.arch={self.arch} needs model.n_dec_layers >= 1")
-        if self.pad_id >= self.vocab_size or self.pad_id >= self.source_vocab_size:
-            raise ConfigError(f"model.pad_id={self.pad_id} is outside the vocabulary (model.vocab_size)")
+        for key in ["vocab_size", "src_vocab_size"]:
+            if self.pad_id >= (getattr(self, key) or self.vocab_size):
+                raise ConfigError(f"model.pad_id={self.pad_id} is outside the vocabulary (model.{key}="
+                                  f"{getattr(self, key)})")
         shared = self.tie_embeddings == "all" and self.arch == "encoder_decoder"
         if shared and self.source_vocab_size != self.vocab_size:
             raise ConfigError(
@@ -151,9 +154,9 @@ class ModelConfig(StrictConfig):
             )
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"model.rope_fraction={self.rope_fraction} must be in (0, 1]")
-        if self.position == "rope" and self.rotary_dim % 2:
-            raise ConfigError(
-                f"model.position=rope needs an even rotary dimension; head dimension {self.d_k} with "
+        if self.position == "rope" and (self.rotary_dim % 2 or self.rotary_dim < 2):
+            raise ConfigError(  # a rotary dimension of 0 would rotate nothing: no positions at all
+                f"model.position=rope needs an even rotary dimension of at least 2; head dimension {self.d_k} with "
                 f"model.rope_fraction={self.rope_fraction} gives {self.rotary_dim}"
             )
         if self.position == "sinusoidal" and self.d_model % 2:
@@ -313,6 +316,21 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
+class YAMLLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that also reads `1e-6` and `3E+4` as the floats YAML 1.2 says they are: PyYAML follows
+    YAML 1.1, which wants a dot (`1.0e-6`) and otherwise gives the string '1e-6'."""
+
+
+YAMLLoader.add_implicit_resolver(  # a copy of SafeLoader's resolvers, with this one added (PyYAML copies on write)
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as Python values (YAMLLoader: safe, and `1e-6` is a float)."""
+    return yaml.load(text, Loader=YAMLLoader)  # noqa: S506 (YAMLLoader is a SafeLoader)
+
+
 def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
     """Parse YAML from a path or a string; errors name the file."""
     p = Path(text_or_path) if not (isinstance(text_or_path, str) and "\n" in text_or_path) else None
@@ -323,7 +341,7 @@ def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
     else:
         source, text = "<string>", str(text_or_path)
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: invalid YAML: {e}") from None
     if data is None:

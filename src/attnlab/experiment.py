@@ -27,6 +27,7 @@ from .config import (
     check_types,
     load_yaml,
     one_of,
+    parse_yaml,
 )
 from .data.config import LOCALE_DIRS, DataConfig
 
@@ -177,7 +178,7 @@ class Experiment:
 def parse_value(text: str) -> Any:
     """A command-line value as YAML: 0.1 -> float, true -> bool, rmsnorm -> str, [1, 2] -> list."""
     try:
-        return yaml.safe_load(text)
+        return parse_yaml(text)
     except yaml.YAMLError:
         return text
 

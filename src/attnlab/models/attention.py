@@ -338,9 +338,11 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(~mask.bias, float("-inf"))
             else:
                 scores = scores + mask.bias
-        w = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
-        if mask.bias is not None:  # a row with every key hidden: zeros, as SDPA and flash-attn give, not NaN
-            w = w.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)  # (B, H, Tq, Tk)
+        if mask.bias is None:
+            w = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
+        else:  # a row with every key hidden: zeros, as SDPA and flash-attn give, not NaN, and so is its gradient
+            empty = scores.isneginf().all(-1, keepdim=True)  # (B, H, Tq, 1)
+            w = scores.masked_fill(empty, 0.0).softmax(dim=-1).masked_fill(empty, 0.0)  # (B, H, Tq, Tk)
         if self.keep_weights:
             self.weights = w.detach()
         w = F.dropout(w, p) if p else w

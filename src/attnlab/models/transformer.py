@@ -15,14 +15,14 @@ from .block import Block, active_dropout, apply_norm, norm_or_identity
 from .layers import AbsolutePositions, PositionTable, alibi_bias, alibi_slopes, make_norm, rope_cos_sin
 
 
-def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
+def check_ids(ids: torch.Tensor, vocab: int, what: str, field: str = "model.vocab_size") -> None:
     """Token ids outside the table are a clear error here, not an index error deep inside a kernel."""
     if ids.dim() != 2:
         raise ValueError(f"{what} token ids must have shape (batch, length), got {tuple(ids.shape)}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{what} token ids must be int64 or int32, got {ids.dtype}")
     if ids.numel() and not torch.compiler.is_compiling():
-        message = f"{what} token id outside the vocabulary [0, {vocab}) (model.vocab_size)"
+        message = f"{what} token id outside the vocabulary [0, {vocab}) ({field})"
         try:  # no host sync: a CPU raises here at once, a GPU raises on its next sync (a device-side assert)
             torch._assert_async(((ids >= 0) & (ids < vocab)).all(), message)
         except RuntimeError:  # on a CPU only: read the ids to name the bad one
@@ -165,7 +165,8 @@ class EncoderDecoder(_Model):
         """src (B, S) padded with pad_id -> memory (B, S, d), src_pad (B, S) True at padding. `padded=False` (the
         batch is known to hold no padding): src_pad is None, and neither the encoder nor the cross-attention gets
         a mask."""
-        check_ids(src, self.cfg.source_vocab_size, "source")
+        check_ids(src, self.cfg.source_vocab_size, "source",
+                  "model.src_vocab_size" if self.cfg.src_vocab_size else "model.vocab_size")
         return self.encoder(src, padded=padded), src.eq(self.cfg.pad_id) if padded else None
 
     def decode(
