@@ -41,13 +41,18 @@ LLAMA = dict(arch="decoder_only", d_model=64, n_heads=4, n_kv_heads=2, n_dec_lay
 MARIAN = dict(arch="encoder_decoder", d_model=64, n_heads=4, n_enc_layers=2, n_dec_layers=2, d_ff=96)
 
 
-@pytest.mark.parametrize("tie", ["decoder", "none"])
-def test_llama_export_generates_attnlab_tokens(tmp_path, tokenizer, tie, capsys):
-    ckpt, net = checkpoint(tmp_path, tokenizer, tie_embeddings=tie, **LLAMA)
+@pytest.mark.parametrize(("tie", "variant", "name"), [
+    ("decoder", {}, "LlamaForCausalLM"),
+    ("none", {}, "LlamaForCausalLM"),
+    ("decoder", {"attn_bias": True, "ffn_bias": True, "head_dim": 24}, "LlamaForCausalLM"),
+    ("none", {"qk_norm": True, "attn_bias": True, "n_kv_heads": 1}, "Qwen3ForCausalLM"),
+])
+def test_llama_export_generates_attnlab_tokens(tmp_path, tokenizer, tie, variant, name, capsys):
+    ckpt, net = checkpoint(tmp_path, tokenizer, tie_embeddings=tie, **{**LLAMA, **variant})
     out = tmp_path / f"hf-{tie}"
     assert main(["export", "--ckpt", str(ckpt), "--format", "hf", "--out", str(out)]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings == (tie == "decoder")
+    assert type(hf).__name__ == name and hf.config.tie_word_embeddings == (tie == "decoder")
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     continuations = set()
     for text in ["the red house", "open the file 5.", "network error"]:
@@ -92,14 +97,18 @@ def test_marian_export_translates_like_attnlab(tmp_path, tokenizer):
 
 
 def test_a_variant_that_does_not_map_names_every_field(tmp_path, tokenizer, capsys):
-    ckpt, _ = checkpoint(tmp_path, tokenizer, **{**LLAMA, "norm": "layernorm", "position": "alibi", "qk_norm": True})
+    ckpt, _ = checkpoint(tmp_path, tokenizer, **{**LLAMA, "norm": "layernorm", "position": "alibi", "v_head_dim": 8})
     assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "does not map onto LlamaForCausalLM" in err
     for field in ("model.norm='layernorm' (needs 'rmsnorm')", "model.position='alibi' (needs 'rope')",
-                  "model.qk_norm=True (needs False)"):
+                  "model.v_head_dim=8 (needs 0)"):
         assert field in err
     assert "model.ffn" not in err and not (tmp_path / "x").exists()
+    ckpt, _ = checkpoint(tmp_path, tokenizer, seed=1, **{**LLAMA, "qk_norm": True, "ffn_bias": True})
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "does not map onto Qwen3ForCausalLM: model.ffn_bias=True (needs False)" in err
     ckpt, _ = checkpoint(tmp_path, tokenizer, seed=2, **{**MARIAN, "norm_position": "pre", "position": "rope"})
     assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err

@@ -2,7 +2,9 @@
 tokenizer, which `transformers` loads without attnlab (`AutoModelForCausalLM` / `AutoModelForSeq2SeqLM`).
 
 - decoder-only -> `LlamaForCausalLM` (Touvron et al. 2023), where the variant is Llama's: pre-norm RMSNorm,
-  SwiGLU, RoPE over the whole head, no biases, a serial block, no soft-capping.
+  SwiGLU, RoPE over the whole head, a serial block, no soft-capping; any head_dim, GQA/MQA, attention and FFN
+  biases on or off (Llama's attention_bias, mlp_bias). With QK-norm -> `Qwen3ForCausalLM` (the same, with an
+  RMSNorm over each head's queries and keys before RoPE; no FFN biases).
 - encoder-decoder -> `MarianMTModel` (Junczys-Dowmunt et al. 2018), where the variant is the 2017 Transformer
   Marian implements: post-norm LayerNorm with biases (eps 1e-5), ReLU or GELU, sinusoidal positions, one table
   for source, target and output, multi-head attention.
@@ -36,12 +38,16 @@ from .models.layers import sinusoidal_positions
 
 # field -> the values that map. Fields in FREE map whatever their value (sizes, regularisation, initialisation,
 # kernels); any other field maps only at ModelConfig's default.
+ANY = ()  # a rule that maps every value of its field
 LLAMA: dict[str, tuple[Any, ...]] = {
     "arch": ("decoder_only",), "norm": ("rmsnorm",), "norm_position": ("pre",), "ffn": ("swiglu",),
-    "block": ("serial",), "position": ("rope",), "rope_fraction": (1.0,), "attn_bias": (False,),
-    "ffn_bias": (False,), "qk_norm": (False,), "scale_embeddings": (False,), "tie_embeddings": ("none", "decoder"),
-    "logit_softcap": (0.0,), "attn_softcap": (0.0,),
+    "block": ("serial",), "position": ("rope",), "rope_fraction": (1.0,), "attn_bias": (False, True),
+    "ffn_bias": (False, True), "qk_norm": (False,), "scale_embeddings": (False,), "tie_embeddings": ("none", "decoder"),
+    "logit_softcap": (0.0,), "attn_softcap": (0.0,), "head_dim": ANY,
 }
+# Qwen3 (Yang et al. 2025, arXiv:2505.09388) is Llama with QK-norm: an RMSNorm over each head's queries and keys
+# before RoPE, as attnlab's qk_norm; its FFN has no biases
+QWEN3 = {**LLAMA, "qk_norm": (True,), "ffn_bias": (False,)}
 MARIAN: dict[str, tuple[Any, ...]] = {
     "arch": ("encoder_decoder",), "norm": ("layernorm",), "norm_position": ("post",), "ffn": ("relu", "gelu"),
     "block": ("serial",), "position": ("sinusoidal",), "attn_bias": (True,), "ffn_bias": (True,),
@@ -54,12 +60,21 @@ FREE = {"vocab_size", "src_vocab_size", "d_model", "n_heads", "n_kv_heads", "n_e
 TARGETS = {"decoder_only": ("LlamaForCausalLM", LLAMA), "encoder_decoder": ("MarianMTModel", MARIAN)}
 
 
+def target(cfg: ModelConfig) -> tuple[str, dict[str, tuple[Any, ...]]] | None:
+    """The Hugging Face class a variant is written as, and its rules; None for an arch with no export."""
+    if cfg.arch == "decoder_only" and cfg.qk_norm:
+        return "Qwen3ForCausalLM", QWEN3
+    return TARGETS.get(cfg.arch)
+
+
 def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
     """`model.<field>=<value> (needs ...)` for every field whose value the target cannot represent."""
     defaults = ModelConfig()
     out = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        if rules.get(f.name) is ANY:
+            continue
         if f.name in rules:
             allowed = rules[f.name]
         elif f.name in FREE:
@@ -73,10 +88,12 @@ def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
 
 def hf_refused(cfg: ModelConfig) -> str | None:
     """Why the Hugging Face export cannot write this variant (every field that does not map), or None."""
-    if cfg.arch not in TARGETS:
-        return f"model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama, encoder_decoder -> Marian)"
-    bad = unmapped(cfg, TARGETS[cfg.arch][1])
-    return f"this variant does not map onto {TARGETS[cfg.arch][0]}: " + "; ".join(bad) if bad else None
+    if target(cfg) is None:
+        return f"model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama or Qwen3, encoder_decoder " \
+               "-> Marian)"
+    name, rules = target(cfg)
+    bad = unmapped(cfg, rules)
+    return f"this variant does not map onto {name}: " + "; ".join(bad) if bad else None
 
 
 def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
@@ -84,7 +101,7 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     from safetensors.torch import save_file  # the [hf] extra
 
     cfg, state, tokenizer, out = export_inputs(ckpt_path, out_dir, hf_refused)
-    name = TARGETS[cfg.arch][0]
+    name = target(cfg)[0]
     tensors, config = llama(cfg, state) if cfg.arch == "decoder_only" else marian(cfg, state)
     out.mkdir(parents=True, exist_ok=True)
     # one copy each: safetensors refuses tensors that share memory (the splits of qkv_proj, the position tables)
@@ -126,28 +143,37 @@ def export_inputs(ckpt_path: str | Path, out_dir: str | Path, refused: Callable[
 
 
 def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """attnlab DecoderOnly -> LlamaForCausalLM tensors and config: qkv_proj rows are [q; k; v], fc1 rows
-    [gate; up] (SwiGLU: silu(gate) * up)."""
+    """attnlab DecoderOnly -> LlamaForCausalLM (or, with QK-norm, Qwen3ForCausalLM) tensors and config: qkv_proj
+    rows are [q; k; v], fc1 rows [gate; up] (SwiGLU: silu(gate) * up), biases alike."""
     q, kv = cfg.n_heads * cfg.d_k, cfg.kv_heads * cfg.d_k
     t = {"model.embed_tokens.weight": s["decoder.embed.weight"], "model.norm.weight": s["decoder.norm.weight"]}
     for i in range(cfg.n_dec_layers):
         a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        wq, wk, wv = s[a + "self_attn.qkv_proj.weight"].split([q, kv, kv])
-        gate, up = s[a + "ffn.fc1.weight"].split([cfg.ffn_dim, cfg.ffn_dim])
-        t |= {h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk, h + "self_attn.v_proj.weight": wv,
-              h + "self_attn.o_proj.weight": s[a + "self_attn.out_proj.weight"],
-              h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
-              h + "mlp.down_proj.weight": s[a + "ffn.fc2.weight"],
-              h + "input_layernorm.weight": s[a + "self_attn_norm.weight"],
+        t |= {h + "input_layernorm.weight": s[a + "self_attn_norm.weight"],
               h + "post_attention_layernorm.weight": s[a + "ffn_norm.weight"]}
+        for kind in ("weight", "bias") if cfg.attn_bias else ("weight",):
+            t |= dict(zip((h + f"self_attn.{p}_proj.{kind}" for p in "qkv"),
+                          s[a + f"self_attn.qkv_proj.{kind}"].split([q, kv, kv]), strict=True))
+            t[h + f"self_attn.o_proj.{kind}"] = s[a + f"self_attn.out_proj.{kind}"]
+        for kind in ("weight", "bias") if cfg.ffn_bias else ("weight",):
+            gate, up = s[a + f"ffn.fc1.{kind}"].split([cfg.ffn_dim, cfg.ffn_dim])
+            t |= {h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up,
+                  h + f"mlp.down_proj.{kind}": s[a + f"ffn.fc2.{kind}"]}
+        if cfg.qk_norm:  # Qwen3's q_norm and k_norm: over each head's head_dim coordinates, before RoPE
+            t |= {h + "self_attn.q_norm.weight": s[a + "self_attn.q_norm.weight"],
+                  h + "self_attn.k_norm.weight": s[a + "self_attn.k_norm.weight"]}
     tied = cfg.tie_embeddings != "none"
     if not tied:
         t["lm_head.weight"] = s["head.weight"]
-    config = {"model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-              "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_dec_layers,
+    config = {"model_type": "qwen3" if cfg.qk_norm else "llama", "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_dec_layers,
               "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.d_k,
               "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-              "rope_theta": cfg.rope_theta, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied}
+              "rope_theta": cfg.rope_theta, "attention_bias": cfg.attn_bias, "tie_word_embeddings": tied}
+    if cfg.qk_norm:
+        config["use_sliding_window"] = False  # every layer attends to every earlier position
+    else:
+        config["mlp_bias"] = cfg.ffn_bias
     return t, config
 
 
