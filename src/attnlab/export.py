@@ -4,7 +4,8 @@ tokenizer, which `transformers` loads without attnlab (`AutoModelForCausalLM` / 
 - decoder-only -> `LlamaForCausalLM` (Touvron et al. 2023), where the variant is Llama's: pre-norm RMSNorm,
   SwiGLU, RoPE over the whole head, a serial block, no soft-capping; any head_dim, GQA/MQA, attention and FFN
   biases on or off (Llama's attention_bias, mlp_bias). With QK-norm -> `Qwen3ForCausalLM` (the same, with an
-  RMSNorm over each head's queries and keys before RoPE; no FFN biases).
+  RMSNorm over each head's queries and keys before RoPE; no FFN biases). With learned positions ->
+  `GPT2LMHeadModel` (pre-norm LayerNorm, biases everywhere, ReLU or exact GELU, multi-head attention).
 - encoder-decoder -> `MarianMTModel` (Junczys-Dowmunt et al. 2018), where the variant is the 2017 Transformer
   Marian implements: post-norm LayerNorm with biases (eps 1e-5), ReLU or GELU, sinusoidal positions, one table
   for source, target and output, multi-head attention.
@@ -48,6 +49,12 @@ LLAMA: dict[str, tuple[Any, ...]] = {
 # Qwen3 (Yang et al. 2025, arXiv:2505.09388) is Llama with QK-norm: an RMSNorm over each head's queries and keys
 # before RoPE, as attnlab's qk_norm; its FFN has no biases
 QWEN3 = {**LLAMA, "qk_norm": (True,), "ffn_bias": (False,)}
+# GPT-2 (Radford et al. 2019): pre-norm LayerNorm with biases, learned positions, biases everywhere, ReLU or GELU
+# (exact: activation_function "gelu", not GPT-2's own tanh approximation), multi-head attention
+GPT2 = {"arch": ("decoder_only",), "norm": ("layernorm",), "norm_position": ("pre",), "ffn": ("gelu", "relu"),
+        "block": ("serial",), "position": ("learned",), "attn_bias": (True,), "ffn_bias": (True,),
+        "norm_bias": (True,), "qk_norm": (False,), "scale_embeddings": (False,), "n_kv_heads": (0,),
+        "tie_embeddings": ("none", "decoder"), "logit_softcap": (0.0,), "attn_softcap": (0.0,)}
 MARIAN: dict[str, tuple[Any, ...]] = {
     "arch": ("encoder_decoder",), "norm": ("layernorm",), "norm_position": ("post",), "ffn": ("relu", "gelu"),
     "block": ("serial",), "position": ("sinusoidal",), "attn_bias": (True,), "ffn_bias": (True,),
@@ -62,6 +69,8 @@ TARGETS = {"decoder_only": ("LlamaForCausalLM", LLAMA), "encoder_decoder": ("Mar
 
 def target(cfg: ModelConfig) -> tuple[str, dict[str, tuple[Any, ...]]] | None:
     """The Hugging Face class a variant is written as, and its rules; None for an arch with no export."""
+    if cfg.arch == "decoder_only" and cfg.position == "learned":
+        return "GPT2LMHeadModel", GPT2
     if cfg.arch == "decoder_only" and cfg.qk_norm:
         return "Qwen3ForCausalLM", QWEN3
     return TARGETS.get(cfg.arch)
@@ -102,7 +111,8 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
 
     cfg, state, tokenizer, out = export_inputs(ckpt_path, out_dir, hf_refused)
     name = target(cfg)[0]
-    tensors, config = llama(cfg, state) if cfg.arch == "decoder_only" else marian(cfg, state)
+    write = {"LlamaForCausalLM": llama, "Qwen3ForCausalLM": llama, "GPT2LMHeadModel": gpt2, "MarianMTModel": marian}
+    tensors, config = write[name](cfg, state)
     out.mkdir(parents=True, exist_ok=True)
     # one copy each: safetensors refuses tensors that share memory (the splits of qkv_proj, the position tables)
     save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
@@ -174,6 +184,29 @@ def llama(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch
         config["use_sliding_window"] = False  # every layer attends to every earlier position
     else:
         config["mlp_bias"] = cfg.ffn_bias
+    return t, config
+
+
+def gpt2(cfg: ModelConfig, s: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """attnlab DecoderOnly -> GPT2LMHeadModel tensors and config. GPT-2's projections are Conv1D, (in, out): the
+    transposes of attnlab's Linear weights; c_attn's columns are [q; k; v] as qkv_proj's rows."""
+    t = {"transformer.wte.weight": s["decoder.embed.weight"],
+         "transformer.wpe.weight": s["decoder.positions.table.weight"],
+         "transformer.ln_f.weight": s["decoder.norm.weight"], "transformer.ln_f.bias": s["decoder.norm.bias"]}
+    for i in range(cfg.n_dec_layers):
+        a, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in {"self_attn_norm": "ln_1", "ffn_norm": "ln_2"}.items():
+            t |= {f"{h}{theirs}.weight": s[f"{a}{ours}.weight"], f"{h}{theirs}.bias": s[f"{a}{ours}.bias"]}
+        for ours, theirs in {"self_attn.qkv_proj": "attn.c_attn", "self_attn.out_proj": "attn.c_proj",
+                             "ffn.fc1": "mlp.c_fc", "ffn.fc2": "mlp.c_proj"}.items():
+            t |= {f"{h}{theirs}.weight": s[f"{a}{ours}.weight"].T, f"{h}{theirs}.bias": s[f"{a}{ours}.bias"]}
+    tied = cfg.tie_embeddings != "none"
+    if not tied:
+        t["lm_head.weight"] = s["head.weight"]
+    config = {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.n_dec_layers,
+              "n_head": cfg.n_heads, "n_inner": cfg.ffn_dim, "n_positions": cfg.max_seq_len,
+              "activation_function": cfg.ffn, "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": tied,
+              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attn_dropout}
     return t, config
 
 
