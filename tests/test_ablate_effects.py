@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from attnlab.ablate import effects
+from attnlab.ablate.columns import SIGNIFICANCE
 from attnlab.ablate.effects import interaction, main_effects, missing_cells
+from attnlab.ablate.report import Row
 
 GRID = [{"A": a, "B": b} for a in ("a0", "a1") for b in ("b0", "b1")]  # the 2x2 grid's cells
 SEED_EFFECT = {1: 0.0, 2: 1.5, 3: -2.0}
@@ -103,3 +106,24 @@ def test_a_cell_with_no_finished_trial_is_listed_and_not_estimated_in_the_intera
     variants = [SimpleNamespace(name=f"A={g['A']} B={g['B']}", levels=(f"A={g['A']}", f"B={g['B']}")) for g in GRID]
     h = SimpleNamespace(spec=SimpleNamespace(variants=lambda: variants, seeds=(1, 2, 3)))
     assert missing_cells(h, table) == ["A=a1 B=b1 (seed 1)", "A=a1 B=b1 (seed 2)", "A=a1 B=b1 (seed 3)"]
+
+
+def test_compare_with_a_study_whose_variants_all_tie_prints_why_there_is_no_p_value(monkeypatch):
+    """6 shared variants; study a scores every variant 0 on every seed (a budget too short to score). tau and rho
+    are undefined, so no p-value and the reason is printed (the exact permutation count said p = 0 here)."""
+    def handle(name: str, scores: dict[str, list[float]]) -> SimpleNamespace:
+        spec = SimpleNamespace(name=name, metric="final/test_bleu", direction="max", variants=lambda: [],
+                               significance=dict(SIGNIFICANCE, resamples=50))
+        return SimpleNamespace(spec=spec, scores=scores)
+
+    def rows(h, tests=True):
+        trials = [SimpleNamespace(user_attrs={"seed": s}) for s in (1, 2)]
+        return [Row(k, k, trials, v) for k, v in h.scores.items()], []
+
+    monkeypatch.setattr(effects, "collect_rows", rows)
+    a = handle("a", {f"v{i}": [0.0, 0.0] for i in range(6)})
+    b = handle("b", {f"v{i}": [20.0 + i, 20.5 + i] for i in range(6)})
+    out = effects.compare_studies(a, b)
+    assert "6 variant(s) in both" in out
+    assert "Kendall's tau = undefined, Spearman's rho = undefined, n = 6: no p-value: all scores tied" in out
+    assert "p = " not in out and "nan" not in out

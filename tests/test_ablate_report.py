@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sacrebleu
 import torch
@@ -311,10 +312,12 @@ decode: {{average_last: 2}}
         assert final[f"{split}_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
 
 
-def test_rank_correlation_p_values_are_exact_permutation_ones_and_absent_under_5_variants():
+def test_rank_correlation_p_values_are_permutation_ones_and_absent_under_5_variants_or_all_tied():
     """Against independent computations: 6 variants with a tie and a non-monotone order, each p-value equal to the
     share of the 720 orders of y whose |scipy statistic| reaches the observed one, and tau's equal to scipy's own
-    exact p where there is no tie; 9 variants: scipy's asymptotic p-values; 4: none, saying why."""
+    exact p where there is no tie; 9 variants: exact too (scipy's asymptotic Spearman p rejects 5.9% at 0.05
+    there); 12: Monte Carlo, within its error of the exact p; 4: none, saying why; one side all tied: tau and rho
+    undefined and no p-value (the exact count gave p = 0 there)."""
     x, y = [3.1, 2.0, 5.5, 5.5, 1.0, 4.2], [2.0, 3.0, 4.4, 6.1, 0.5, 3.9]
     r = rank_correlation(x, y)
     tau, rho = stats.kendalltau(x, y).statistic, stats.spearmanr(x, y).statistic
@@ -330,10 +333,22 @@ def test_rank_correlation_p_values_are_exact_permutation_ones_and_absent_under_5
         stats.kendalltau(range(6), untied, method="exact").pvalue)
     x9, y9 = [5, 1, 4, 2, 8, 3, 9, 7, 6], [4, 2, 5, 1, 9, 3, 7, 8, 6]
     r9 = rank_correlation(x9, y9)
-    assert (r9["tau_p"], r9["rho_p"]) == pytest.approx((stats.kendalltau(x9, y9).pvalue,
-                                                        stats.spearmanr(x9, y9).pvalue))
+    perms = np.array(list(itertools.permutations(y9)))  # (9!, 9): rho = 1 - 6 sum d^2 / (n (n^2 - 1)) untied
+    rhos = 1 - 6 * ((perms - np.array(x9)) ** 2).sum(1) / (9 * 80)
+    assert r9["rho_p"] == pytest.approx(np.mean(np.abs(rhos) >= abs(r9["rho"]) - 1e-12))
+    assert r9["tau_p"] == pytest.approx(stats.kendalltau(x9, y9, method="exact").pvalue)
+    assert "exact permutation" in r9["p_method"] and r9["rho_p"] != pytest.approx(stats.spearmanr(x9, y9).pvalue)
+    x12, y12 = list(range(12)), [1, 0, 3, 2, 5, 4, 11, 6, 8, 7, 10, 9]
+    r12 = rank_correlation(x12, y12)
+    exact = stats.kendalltau(x12, y12, method="exact").pvalue  # 0.00097; Monte Carlo SE about 0.0002
+    assert r12["tau_p"] == pytest.approx(exact, abs=0.0007) and "Monte Carlo" in r12["p_method"]
+    assert rank_correlation(x12, y12) == r12  # a fixed seed
     r4 = rank_correlation([1, 2, 3, 4], [1, 2, 3, 4])
     assert r4["tau_p"] is None and r4["rho_p"] is None and "fewer than 5" in r4["why"]
+    for a, b in (([0.0] * 6, [20.1, 21.3, 19.8, 22.0, 20.5, 21.0]), ([1, 2, 3, 4, 5, 6], [7.0] * 6)):
+        tied = rank_correlation(a, b)
+        assert tied["tau_p"] is None and tied["rho_p"] is None and "all scores tied" in tied["why"]
+        assert math.isnan(tied["tau"]) and math.isnan(tied["rho"])
 
 
 def zero_fit(exp, ckpt_path=None):

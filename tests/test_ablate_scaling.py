@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ import pytest
 from attnlab.ablate.budget import step_cost
 from attnlab.ablate.runner import run_study, trial_experiment
 from attnlab.ablate.scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
+from attnlab.ablate.scaling_report import Curve, collect_curves, fit_curves, interval, size_transfer
 from attnlab.ablate.spec import load_spec
+from attnlab.ablate.study import connect
 from attnlab.cli import main
 from attnlab.config import ConfigError
 from test_ablate_runner import FAST, TINY_LM, fake_fit, write_study
@@ -165,3 +168,39 @@ def test_ablate_scaling_fits_each_variant_at_its_best_lr_and_reports_the_hole(tm
     assert (tmp_path / "study" / "scaling.tex").read_text().startswith("\\begin{tabular}")
     assert main(["ablate", "compare", str(spec.path), "--dirs", str(tmp_path / "study")]) == 0
     assert transfer in capsys.readouterr().out
+
+
+def test_a_seed_with_no_finished_trial_is_not_resampled_or_counted(tmp_path, capsys):
+    """seeds: [1, 2, 3] and every trial of seed 3 fails: the intervals are over the 2 seeds with points (drawing
+    seed 3 adds nothing, and n = 3 in seed_interval narrowed them: 91% coverage instead of 95% in the audit)."""
+    def fit(exp, ckpt_path=None):
+        if exp.trainer.seed == 3:
+            raise RuntimeError("out of memory (a stand-in for a failed trial)")
+        return law_fit(exp, ckpt_path)
+
+    body = SIZES.replace("seeds: [1, 2]", "seeds: [1, 2, 3]").replace("lr: {points: 3, spread: 2}\n", "") \
+        .replace("[gelu, swiglu, relu]", "[gelu, relu]")
+    spec = load_spec(write_study(tmp_path, body, base=BASE))
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=fit) == {"done": 16, "failed": 8}
+    h = connect(spec, tmp_path / "study")
+    curves, _, _, seeds = collect_curves(h)
+    assert seeds == [1, 2]
+    fit_curves(curves, seeds, 50, spec.significance["seed"])
+    gelu = curves["ffn=gelu"]
+    expected = interval(gelu.fit.alpha, [x.alpha if x else None for x in gelu.resampled], 2)
+    assert main(["ablate", "scaling", str(spec.path), "--dir", str(tmp_path / "study"), "--resamples", "50"]) == 0
+    assert "95% CIs over 2 seeds" in capsys.readouterr().out
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "study" / "scaling.csv", encoding="utf-8"))}
+    assert rows["ffn=gelu"]["alpha"] == expected
+
+
+def test_size_transfer_with_every_variant_tied_at_one_size_gives_no_p_value():
+    """5 variants all at the same loss at the smallest size: tau and rho undefined, the reason printed (not p = 0)."""
+    sizes = ["S", "L"]
+    curves = {f"v{i}": Curve(f"v{i}", points={"S": {1: (1e12, 3.0), 2: (1e12, 3.0)},
+                                               "L": {1: (1e14, 2.0 + 0.1 * i), 2: (1e14, 2.05 + 0.1 * i)}})
+              for i in range(5)}
+    h = SimpleNamespace(spec=SimpleNamespace(significance={"seed": 0}))
+    text = size_transfer(h, curves, sizes)
+    assert "Kendall's tau = undefined, Spearman's rho = undefined, n = 5: no p-value: all scores tied" in text
+    assert "p = " not in text

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,9 @@ import sacrebleu
 from sacrebleu.metrics import BLEU
 from scipy import stats
 
+from attnlab.ablate.columns import SIGNIFICANCE
 from attnlab.ablate.final import read_lines, write_lines
+from attnlab.ablate.report import Row, compare, metric_cells
 from attnlab.ablate.stats import bootstrap_rows, corpus_score, holm, paired_bootstrap, rank_intervals, t_interval, welch
 from conftest import make_pairs
 
@@ -143,6 +146,12 @@ def test_t_interval_and_holm_against_their_formulas():
     # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> monotone: 0.06 for the last
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5, 0.9]) == [1.0, 1.0]
+    # a p-value that is not finite (no test) stays out of the family: m = 2 finite ones, it stays NaN
+    for ps, want in (([math.nan, 0.001, 0.002], [math.nan, 0.002, 0.002]),
+                     ([0.001, math.nan, 0.002], [0.002, math.nan, 0.002]),
+                     ([0.01, math.inf, 0.04, math.nan], [0.02, math.nan, 0.04, math.nan]),
+                     ([math.nan], [math.nan]), ([], [])):
+        assert holm(ps) == pytest.approx(want, nan_ok=True), ps
 
 
 def null_study(rng: np.random.Generator, repeats: int, seeds: int, seed_sd: float, effect: float = 0.0,
@@ -280,3 +289,55 @@ def test_resampling_scores_with_the_tokenizer_of_the_final_evaluations_signature
     assert corpus_score(hyps, refs, "bleu", signature) == pytest.approx(zh)
     p, _, _ = paired_bootstrap(refs, hyps, refs, "bleu", 50, 1, signature)
     assert p < 0.05
+
+
+def bleu_rows(tmp: Path, hyps: dict[str, dict[int, list[str]]]) -> list[Row]:
+    """Rows of fake trials (the baseline first) whose final test BLEU and stored hypotheses are `hyps`' (report.compare
+    reads them as it does a study's)."""
+    bleu = BLEU()
+    bleu.corpus_score(REFS[:2], [REFS[:2]])
+    signature, rows = str(bleu.get_signature()), []
+    for name, by_seed in hyps.items():
+        trials, values = [], []
+        for s, h in by_seed.items():
+            write_lines(tmp / f"{name}{s}" / "test.hyp", h)
+            write_lines(tmp / f"{name}{s}" / "test.ref", REFS)
+            values.append(sacrebleu.corpus_bleu(h, [REFS]).score)
+            trials.append(SimpleNamespace(number=len(rows) * 10 + s, user_attrs={"seed": s, "final": {
+                "eval_dir": str(tmp / f"{name}{s}"), "test_bleu": values[-1], "bleu_signature": signature}}))
+        rows.append(Row(name, name, trials, values, baseline=not rows))
+    return rows
+
+
+def compared(rows: list[Row], metric: str) -> list[Row]:
+    h = SimpleNamespace(spec=SimpleNamespace(metric=metric, significance=dict(SIGNIFICANCE, resamples=50)),
+                        study=SimpleNamespace(user_attrs={}))
+    compare(h, rows, rows[0])
+    return rows
+
+
+def test_a_row_with_no_variance_leaves_the_holm_family_and_says_why(tmp_path):
+    """A baseline at BLEU 0 on every seed, a dead row also at 0 (the same constant: Welch's p is NaN) and a good row
+    far better. The dead row gets no test, its p cell says why, and the good row keeps its star: before, the NaN p
+    made Holm's adjusted p of every row 1. The Welch path without hypotheses says the same."""
+    empty = [""] * len(REFS)
+    seeds = (1, 2, 3)
+    rows = compared(bleu_rows(tmp_path, {"base": {s: empty for s in seeds}, "dead": {s: empty for s in seeds},
+                                         "good": {s: system(0.1 + 0.02 * s, f"g{s}") for s in seeds}}),
+                    "final/test_bleu")
+    base, dead, good = rows
+    assert dead.comparison is None and good.comparison.method == "Welch over seed scores"
+    assert good.comparison.p_holm == good.comparison.p_value < 0.01 and good.significant  # a family of 1
+    assert metric_cells(dead, True, 2)[3] == "none: no variance in either row"
+    texts = {s: (empty, REFS) for s in seeds}
+    assert bootstrap_rows(texts, texts, "bleu", 20, 1) is None
+    flat = [Row(k, k, [SimpleNamespace(user_attrs={"seed": s}) for s in v], list(v.values()), baseline=k == "base")
+            for k, v in (("base", dict.fromkeys(seeds, 2.0)), ("same", dict.fromkeys(seeds, 2.0)),
+                         ("apart", dict.fromkeys(seeds, 2.001)), ("one", {1: 2.5}))]
+    _, same, apart, one = compared(flat, "val/loss")
+    assert same.comparison is None and metric_cells(same, True, 3)[3] == "none: no variance in either row"
+    # constant rows 0.001 apart: scipy's Welch gives p = 0 (t = inf), a star no seed noise supports; no test here
+    assert stats.ttest_ind([2.001] * 3, [2.0] * 3, equal_var=False).pvalue == 0.0
+    assert apart.comparison is None and not apart.significant
+    assert metric_cells(apart, True, 3)[3] == "none: no variance in either row"
+    assert metric_cells(one, True, 3)[3] == "none: 1 shared seed, a test needs 2"

@@ -15,8 +15,9 @@ Intervals are t intervals on the model's residual degrees of freedom, conditiona
 Transfer between studies (Narang et al. 2021, "Do Transformer Modifications Transfer Across Implementations and
 Applications?"): the variants present in both studies are joined on the config fields both of them vary (each
 study's other factors averaged over; on the variant names when they share none), printed side by side, and the
-rank correlation of their scores, Kendall's tau and Spearman's rho, with exact permutation p-values up to 8
-variants and none under 5 (`stats.rank_correlation`), and 95% percentile intervals from resampling each study's
+rank correlation of their scores, Kendall's tau and Spearman's rho, with exact permutation p-values up to 9
+variants, Monte Carlo permutation ones above, and none under 5 or when one study ties every variant
+(`stats.rank_correlation`), and 95% percentile intervals from resampling each study's
 seeds (`stats.rank_intervals`). Each study's
 scores are oriented so that higher is better before ranking (BLEU against loss correlates positively when the
 same variants win).
@@ -286,8 +287,8 @@ def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
     ci = rank_intervals(va, vb, sig["resamples"], sig["seed"])
 
     def stat(name: str, p: float | None) -> str:
-        out = f"{r[name]:+.3f}"
-        if ci is not None:
+        out = "undefined" if math.isnan(r[name]) else f"{r[name]:+.3f}"
+        if ci is not None and not math.isnan(ci[name][0]):
             out += f" [95% CI {ci[name][0]:+.2f}, {ci[name][1]:+.2f}]"
         return out + (f" (p = {p:.3g})" if p is not None else "")
 

@@ -4,11 +4,12 @@ One row per variant: the study metric's mean ± sample standard deviation over t
 difference to the baseline row's mean on the seeds both rows have (Δ), the p-value and 95% CI of that difference on
 those seeds, and their number (stats.py: Welch's t-test over the seeds, on each seed's sacreBLEU corpus score when
 the metric is a final BLEU or chrF, with each seed's sacreBLEU paired bootstrap beside it in table.csv; fewer than 2
-shared seeds: no test, and the p cell says so), then the columns the file chooses (columns.py): parameters, training
-FLOPs per token, steps and tokens trained, tokens/s, wall time, any metric (final/..., or the last value of a logged
-curve) and any config attribute (the paper's N, d_model, d_k, ...). Rows are sorted best first for the metric's
-direction; rows whose difference is significant at the file's level are marked with *, and the table says how many
-comparisons were made (Holm's correction unless the file turns it off). The baseline is the file's baseline:, else the
+shared seeds, or no variance in either row: no test, and the p cell says why), then the columns the file chooses
+(columns.py): parameters, training FLOPs per token, steps and tokens trained, tokens/s, wall time, any metric
+(final/..., or the last value of a logged curve) and any config attribute (the paper's N, d_model, d_k, ...). Rows
+are sorted best first for the metric's direction; rows whose difference is significant at the file's level are
+marked with *, and the table says how many comparisons were made (Holm's correction over the rows with a test,
+unless the file turns it off). The baseline is the file's baseline:, else the
 variant whose varied fields equal the base experiment's own values, else the first variant, and the footnote says
 so (see AblationSpec.baseline); a search has none.
 """
@@ -47,6 +48,7 @@ class Row:
     cells: dict[str, Any] = field(default_factory=dict)  # column source -> value (mean over seeds)
     baseline_seeds: list[int] = field(default_factory=list)  # the baseline row's seeds (compare sets them)
     refused: str = ""  # why the row is not compared with the baseline (its sacreBLEU signature differs)
+    untested: str = ""  # why a row with 2 or more shared seeds has no test (compare sets it)
     short: list[str] = field(default_factory=list)  # its trials that stopped short of the study's budget
 
     @property
@@ -196,6 +198,8 @@ def compare(h: StudyHandle, rows: list[Row], base: Row) -> None:
         else:
             p, low, high = welch(base_values, values)
             r.comparison = Comparison("Welch", p, low, high, seeds=tuple(shared)) if not math.isnan(p) else None
+        if r.comparison is None and len(shared) >= 2:  # Welch's p is NaN: neither row varies over its seeds
+            r.untested = "no variance in either row"
     tested = [r for r in rows if r.comparison is not None]
     for r, p in zip(tested, holm([r.comparison.p_value for r in tested]), strict=True):
         r.comparison.p_holm = p
@@ -209,7 +213,7 @@ def footnote(h: StudyHandle, rows: list[Row]) -> str:
         return ""
     why = f" Baseline: {h.spec.baseline_reason()}." if h.spec.baseline_reason() else ""
     if not tested:
-        return "Δ: difference of the means to the baseline row; no test (it needs 2 seeds both rows have)." + why
+        return "Δ: difference of the means to the baseline row; no test (the p column says why)." + why
     sig = h.spec.significance
     methods = {c.method for c in tested}
     parts = ["Δ: difference of the means to the baseline row, on the seeds both rows have (n)."]
@@ -289,6 +293,8 @@ def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
         out.append(f"{c.p_value:.3g}" + ("*" if r.significant else "") + f" (n={len(c.seeds)})")
     elif r.refused:
         out.append("none: sacreBLEU signatures differ")
+    elif r.untested:
+        out.append(f"none: {r.untested}")
     else:
         out.append("" if r.baseline else f"none: {shared} shared seed{'s' * (shared != 1)}, a test needs 2")
     out.append("" if c is None else f"[{c.ci_low:+.{d}f}, {c.ci_high:+.{d}f}]")

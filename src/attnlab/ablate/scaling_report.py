@@ -52,7 +52,8 @@ def metric_of(h: StudyHandle) -> str:
 
 
 def collect_curves(h: StudyHandle) -> tuple[dict[str, Curve], list[str], list[str], list[int]]:
-    """Every variant's curve, the holes (points not finished), the sizes in ladder order and the seeds."""
+    """Every variant's curve, the holes (points not finished), the sizes in ladder order and the seeds that have
+    a point in some curve (not the file's seeds: one that never finished is not resampled or counted)."""
     spec = h.spec
     if not spec.sizes:
         raise ValueError(f"{spec.name}: no scale: ladder; `ablate scaling` fits curves over model sizes")
@@ -69,7 +70,10 @@ def collect_curves(h: StudyHandle) -> tuple[dict[str, Curve], list[str], list[st
                                                                       f", without {metric}"))
             continue
         levels = dict(x.split("=", 1) for x in by_key[t.user_attrs["variant_key"]].levels)
-        size, lr = levels.pop("scale"), float(levels.pop("optim.lr", "nan"))
+        size, lr = levels.pop("scale"), levels.pop("optim.lr", None)
+        # without an lr: search, the LR the trial trained with (a NaN key would split a size's seeds: nan != nan)
+        config = t.user_attrs.get("config") or {}
+        lr = float(lr) if lr is not None else float((config.get("optim") or {}).get("lr", 0))
         name = " ".join(f"{k.split('.')[-1]}={v}" if k != "variant" else v for k, v in levels.items()) or "base"
         cells.setdefault(name, {}).setdefault(size, {}).setdefault(lr, {})[s.seed] = (flops * tokens, value)
     curves = {}
@@ -81,7 +85,10 @@ def collect_curves(h: StudyHandle) -> tuple[dict[str, Curve], list[str], list[st
             c.best_lr[size], c.lr_losses[size], c.points[size] = best, means, by_size[size][best]
             c.edge[size] = len(spec.lrs) >= 2 and best in (min(spec.lrs), max(spec.lrs))
         curves[name] = c
-    return curves, holes, [v.name for v in spec.sizes], list(spec.seeds)
+    # the seeds with a point in some curve: a seed with no finished trial has nothing to resample, and counting it
+    # in n (scaling.seed_interval) would narrow every interval
+    seeds = sorted({s for c in curves.values() for points in c.points.values() for s in points})
+    return curves, holes, [v.name for v in spec.sizes], seeds
 
 
 def fit_curves(curves: dict[str, Curve], seeds: list[int], resamples: int = RESAMPLES, seed: int = 0) -> None:
@@ -196,7 +203,9 @@ def size_transfer(h: StudyHandle, curves: dict[str, Curve], sizes: list[str]) ->
     a, b = matrix(small), matrix(large)
     r = rank_correlation(np.nanmean(a, 1), np.nanmean(b, 1))
     ci = rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
-    stat = {k: f"{r[k]:+.3f}" + (f" [95% CI {ci[k][0]:+.2f}, {ci[k][1]:+.2f}]" if ci else "") for k in ("tau", "rho")}
+    stat = {k: ("undefined" if math.isnan(r[k]) else f"{r[k]:+.3f}")
+            + (f" [95% CI {ci[k][0]:+.2f}, {ci[k][1]:+.2f}]" if ci and not math.isnan(ci[k][0]) else "")
+            for k in ("tau", "rho")}
     p = r["why"] or f"p = {r['tau_p']:.3g} (tau), {r['rho_p']:.3g} (rho); {r['p_method']}"
     return f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}"
 

@@ -13,7 +13,10 @@
 - Metrics without hypotheses (loss, perplexity, a logged val/ curve): over the seeds, Welch's t-test and the CI
   of the difference of the means on Welch-Satterthwaite's degrees of freedom (scipy.stats.ttest_ind); a mean's
   CI is a t interval.
-- Several rows against one baseline: Holm's step-down correction (Holm 1979), when the file asks for it.
+- Several rows against one baseline: Holm's step-down correction (Holm 1979), when the file asks for it, over
+  the rows that have a test (a row without one, e.g. every score of both rows the same, is not in the family).
+- Rank correlation between two studies' variants (effects.py, scaling_report.py): Kendall's tau-b and Spearman's
+  rho with permutation p-values, exact up to EXACT_UP_TO variants and Monte Carlo above (rank_correlation).
 - Main effects and interactions of a grid (effects.py): ordinary least squares of the metric on the factors and
   the seed (a fixed effect), and the estimated marginal means of that model (Searle, Speed & Milliken 1980,
   "Population marginal means in the linear model"), with t intervals on the residual degrees of freedom.
@@ -21,9 +24,9 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -100,8 +103,11 @@ def paired_bootstrap(base_hyps: Sequence[str], hyps: Sequence[str], refs: Sequen
 
 
 def welch(base: Sequence[float], values: Sequence[float]) -> tuple[float, float, float]:
-    """(p-value, CI low, CI high) of mean(values) - mean(base) by Welch's t-test (NaN with fewer than 2 each)."""
-    if len(base) < 2 or len(values) < 2:
+    """(p-value, CI low, CI high) of mean(values) - mean(base) by Welch's t-test (scipy's). NaN, no test, with
+    fewer than 2 each, or when neither row varies over its seeds: the difference's standard error is 0, so
+    Welch-Satterthwaite's degrees of freedom are 0/0 and the seeds show no noise to test against (scipy would
+    give p = 0 for any difference, however small: a star no seed noise supports)."""
+    if len(base) < 2 or len(values) < 2 or (np.ptp(base) == 0 and np.ptp(values) == 0):
         return math.nan, math.nan, math.nan
     res = stats.ttest_ind(values, base, equal_var=False)
     ci = res.confidence_interval(0.95)
@@ -119,11 +125,14 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, flo
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values: the i-th smallest times (m - i + 1), made monotone, at most 1."""
-    m = len(p_values)
-    adjusted = [math.nan] * m
+    """Holm's step-down adjusted p-values (Holm 1979, "A simple sequentially rejective multiple test procedure"):
+    the i-th smallest of the m p-values times (m - i + 1), made monotone, at most 1. A p-value that is not finite
+    (NaN: no test) is not in the family: it stays NaN, and m counts the finite ones only."""
+    family = [i for i, p in enumerate(p_values) if math.isfinite(p)]
+    m = len(family)
+    adjusted = [math.nan] * len(p_values)
     running = 0.0
-    for rank, i in enumerate(sorted(range(m), key=lambda j: p_values[j])):
+    for rank, i in enumerate(sorted(family, key=lambda j: p_values[j])):
         running = max(running, min(1.0, (m - rank) * p_values[i]))
         adjusted[i] = running
     return adjusted
@@ -137,7 +146,8 @@ def corpus_score(hyps: Sequence[str], refs: Sequence[str], metric: str, signatur
 def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, tuple[list[str], list[str]]],
                    metric: str, resamples: int, seed: int, signature: str = "") -> Comparison | None:
     """{seed: (hypotheses, references)} of each row. Headline: `welch` on the corpus scores of the seeds both rows
-    have (None with fewer than 2: no p-value). Beside it, each shared seed's sacreBLEU paired bootstrap p-value."""
+    have (None with fewer than 2, or when Welch's p is NaN: both rows the same score on every seed, no variance to
+    test; as report.compare's Welch path). Beside it, each shared seed's sacreBLEU paired bootstrap p-value."""
     seeds = tuple(sorted(set(base) & set(row)))
     if not seeds:
         return None
@@ -150,6 +160,8 @@ def bootstrap_rows(base: dict[int, tuple[list[str], list[str]]], row: dict[int, 
         return None
     scores = [{s: corpus_score(d[s][0], d[s][1], metric, signature) for s in seeds} for d in (base, row)]
     p_value, low, high = welch([scores[0][s] for s in seeds], [scores[1][s] for s in seeds])
+    if math.isnan(p_value):
+        return None
     return Comparison("Welch over seed scores", p_value, low, high, {s: e[0] for s, e in each.items()},
                       {s: e[1:] for s, e in each.items()}, seeds)
 
@@ -191,7 +203,9 @@ def version() -> str:
 
 # ---------------------------------------------------------------------------------------------- rank correlation
 MIN_RANKED = 5  # fewer shared variants: no p-value (3 or 4 items cannot reach p < 0.05 two-sided with tau's ties)
-EXACT_UP_TO = 8  # every permutation (8! = 40,320) up to this many items; scipy's asymptotic p-values above
+EXACT_UP_TO = 9  # every permutation (9! = 362,880: 0.3-0.4 s) up to this many items; Monte Carlo ones above
+MONTE_CARLO = 20_000  # random orders above EXACT_UP_TO (rank_correlation)
+MONTE_CARLO_SEED = 0
 
 
 def rank_intervals(a: np.ndarray, b: np.ndarray, resamples: int, seed: int, level: float = 0.95
@@ -208,45 +222,74 @@ def rank_intervals(a: np.ndarray, b: np.ndarray, resamples: int, seed: int, leve
     idx_a, idx_b = rng.integers(0, a.shape[1], (resamples, a.shape[1])), rng.integers(0, b.shape[1],
                                                                                       (resamples, b.shape[1]))
     taus, rhos = [], []
-    with np.errstate(all="ignore"):  # all-NaN slices are the resamples left out
+    with warnings.catch_warnings():  # all-NaN slices are the resamples left out; tied resamples give NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
         xs, ys = np.nanmean(a[:, idx_a], axis=2), np.nanmean(b[:, idx_b], axis=2)  # (variants, resamples) each
-    for x, y in zip(xs.T, ys.T, strict=True):
-        if np.isnan(x).any() or np.isnan(y).any():
-            continue
-        taus.append(stats.kendalltau(x, y).statistic)  # NaN where a resample ties every variant
-        rhos.append(stats.spearmanr(x, y).statistic)
-    q = [(1 - level) / 2, (1 + level) / 2]
-    return {"tau": tuple(float(v) for v in np.nanquantile(taus, q)),
-            "rho": tuple(float(v) for v in np.nanquantile(rhos, q))}
+        for x, y in zip(xs.T, ys.T, strict=True):
+            if np.isnan(x).any() or np.isnan(y).any():
+                continue
+            taus.append(stats.kendalltau(x, y).statistic)  # NaN where a resample ties every variant
+            rhos.append(stats.spearmanr(x, y).statistic)
+        q = [(1 - level) / 2, (1 + level) / 2]  # NaN bounds where no resample gives a statistic
+        return {"tau": tuple(float(v) for v in np.nanquantile(taus, q)) if taus else (math.nan, math.nan),
+                "rho": tuple(float(v) for v in np.nanquantile(rhos, q)) if rhos else (math.nan, math.nan)}
+
+
+def all_orders(n: int) -> np.ndarray:
+    """(n!, n) every permutation of range(n), as int8: the orders of range(k) with k inserted at each place."""
+    orders = np.zeros((1, 0), dtype=np.int8)
+    for k in range(n):
+        orders = np.concatenate([np.insert(orders, place, k, axis=1) for place in range(k + 1)])
+    return orders
+
+
+def permutation_stats(x: np.ndarray, y: np.ndarray, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kendall's tau-b and Spearman's rho of x against y reordered by each row of `orders` (k, n) of indices."""
+    n = len(x)
+    i, j = np.triu_indices(n, 1)  # the n(n-1)/2 pairs
+    sx, sy = np.sign(x[i] - x[j]), np.sign(y[:, None] - y[None, :])  # (P,), (n, n)
+    syp = sy.ravel()[orders[:, i].astype(np.int32) * n + orders[:, j]]  # (k, P); y's ties: the same in every order
+    # tau-b (Kendall 1945): tied pairs leave the numerator and shrink the denominator
+    taus = (syp @ sx) / math.sqrt(np.count_nonzero(sx) * np.count_nonzero(sy[i, j]))  # (k,)
+    rx, ry = stats.rankdata(x), stats.rankdata(y)  # average ranks for ties; an order permutes y's ranks
+    rxc, ryc = rx - rx.mean(), ry - ry.mean()
+    rhos = (ryc[orders] @ rxc) / math.sqrt((rxc**2).sum() * (ryc**2).sum())  # (k,) Pearson of the ranks
+    return taus, rhos
 
 
 def rank_correlation(x: Sequence[float], y: Sequence[float]) -> dict:
-    """Kendall's tau-b and Spearman's rho of the paired scores x, y, each with a two-sided p-value. Up to EXACT_UP_TO
-    items the p-values are exact permutation ones (the share of the n! orders of y whose |statistic| reaches the
-    observed one); above, scipy's. Under MIN_RANKED items the p-values are None (`why` says so): scipy's
-    t-approximation gives rho = 1 with p = 0 for 3 items, where the exact p is 1/3."""
+    """Kendall's tau-b and Spearman's rho of the paired scores x, y, each with a two-sided permutation p-value: the
+    share of orders of y whose |statistic| reaches the observed one. Up to EXACT_UP_TO items every one of the n!
+    orders (exact); above, MONTE_CARLO random orders from default_rng(MONTE_CARLO_SEED), p = (b + 1) / (m + 1)
+    with b of the m orders reaching it (Phipson & Smyth 2010, "Permutation p-values should never be zero"; its
+    Monte Carlo SE at p = 0.05 is 0.0015). scipy's asymptotic p-values are not used: its Spearman t-approximation
+    rejects 5.9% at alpha 0.05 with 9 items, and gives rho = 1 with p = 0 for 3, where the exact p is 1/3.
+    None (`why` says why): under MIN_RANKED items, or every score tied on one side (tau and rho undefined)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     n = len(x)
+    out = {"n": n, "tau": math.nan, "rho": math.nan, "tau_p": None, "rho_p": None, "p_method": None, "why": ""}
+    if n >= 2 and (np.ptp(x) == 0 or np.ptp(y) == 0):
+        out["why"] = "no p-value: all scores tied in one study (or size): tau and rho are undefined"
+        return out
     tau, rho = stats.kendalltau(x, y).statistic, stats.spearmanr(x, y).statistic
-    out = {"n": n, "tau": float(tau), "rho": float(rho), "tau_p": None, "rho_p": None, "p_method": None, "why": ""}
+    out.update(tau=float(tau), rho=float(rho))
     if n < MIN_RANKED:
         out["why"] = f"no p-value with {n} shared variants (fewer than {MIN_RANKED})"
         return out
-    if n > EXACT_UP_TO:
-        out.update(tau_p=float(stats.kendalltau(x, y).pvalue), rho_p=float(stats.spearmanr(x, y).pvalue),
-                   p_method="asymptotic p-values (scipy)")
+    eps = 1e-12  # the observed order itself reaches the observed statistic; float noise must not drop it
+    if n <= EXACT_UP_TO:
+        taus, rhos = permutation_stats(x, y, all_orders(n))
+        out.update(tau_p=float(np.mean(np.abs(taus) >= abs(tau) - eps)),
+                   rho_p=float(np.mean(np.abs(rhos) >= abs(rho) - eps)),
+                   p_method=f"exact permutation p-values ({len(taus):,} orders)")
         return out
-    perms = np.array(list(itertools.permutations(range(n))))  # (n!, n)
-    i, j = np.triu_indices(n, 1)  # the n(n-1)/2 pairs
-    sx, yp = np.sign(x[i] - x[j]), y[perms]  # (P,), (n!, n)
-    sy = np.sign(yp[:, i] - yp[:, j])  # (n!, P); y's ties are the same pairs' count in every order
-    # tau-b (Kendall 1945): tied pairs leave the numerator and shrink the denominator
-    taus = (sy @ sx) / math.sqrt(np.count_nonzero(sx) * np.count_nonzero(sy[0]))  # (n!,)
-    rx, ryp = stats.rankdata(x), stats.rankdata(yp, axis=1)  # average ranks for ties
-    rxc, rypc = rx - rx.mean(), ryp - ryp.mean(1, keepdims=True)
-    rhos = (rypc @ rxc) / np.sqrt((rxc**2).sum() * (rypc**2).sum(1))  # (n!,) Pearson of the ranks
-    eps = 1e-12  # the observed order itself counts; float noise must not drop it
-    out.update(tau_p=float(np.mean(np.abs(taus) >= abs(tau) - eps)),
-               rho_p=float(np.mean(np.abs(rhos) >= abs(rho) - eps)),
-               p_method=f"exact permutation p-values ({len(perms):,} orders)")
+    rng, reach = np.random.default_rng(MONTE_CARLO_SEED), np.zeros(2)
+    for k in range(0, MONTE_CARLO, 10_000):  # chunks of orders: (chunk, n(n-1)/2) signs at a time
+        orders = rng.permuted(np.tile(np.arange(n), (min(10_000, MONTE_CARLO - k), 1)), axis=1)  # (chunk, n)
+        taus, rhos = permutation_stats(x, y, orders)
+        reach += [np.sum(np.abs(taus) >= abs(tau) - eps), np.sum(np.abs(rhos) >= abs(rho) - eps)]
+    tau_p, rho_p = (reach + 1) / (MONTE_CARLO + 1)
+    out.update(tau_p=float(tau_p), rho_p=float(rho_p),
+               p_method=f"Monte Carlo permutation p-values ({MONTE_CARLO:,} random orders, seed {MONTE_CARLO_SEED})")
     return out
