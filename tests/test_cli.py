@@ -58,8 +58,11 @@ def one_by_one(ckpt: Path, lines: list[str], beam: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
+    return make_runs(tmp_path_factory.mktemp("cli"))
+
+
+def make_runs(root: Path) -> dict[str, Path]:
     """A translation run trained through `attnlab fit` with dotted overrides, and a small LM run."""
-    root = tmp_path_factory.mktemp("cli")
     recipe = write_recipe(root, trainer={"max_steps": 4, "ckpt_every": 2, "val_every": 100})
     assert main(["fit", "-c", str(recipe), "--model.norm", "rmsnorm", "--trainer.max_steps=6",
                  "--trainer.run_name", "mt"]) == 0
@@ -71,7 +74,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     lm_recipe = root / "lm.yaml"
     lm_recipe.write_text(yaml.safe_dump({"name": "lm", **lm_raw}), encoding="utf-8")
     assert main(["fit", "-c", str(lm_recipe)]) == 0
-    yield {"root": root, "recipe": recipe, "mt": root / "runs" / "mt", "lm": root / "runs" / "lm",
+    return {"root": root, "recipe": recipe, "mt": root / "runs" / "mt", "lm": root / "runs" / "lm",
            "lm_recipe": lm_recipe}
 
 
@@ -121,6 +124,9 @@ def test_unknown_or_mistyped_override_is_exit_2_naming_the_key(runs, capsys, arg
         assert main(command + argv) == 2
         out = capsys.readouterr()
         assert needle in out.err and out.out == "", (command, out.err)
+        if "has type" in needle:  # the command line's value, not the recipe file's
+            assert out.err.startswith(f"attnlab {command[0]}: error: override --")
+            assert str(runs["recipe"]) not in out.err
 
 
 def test_an_unknown_key_in_the_recipe_file_names_the_file_and_key(runs, tmp_path, capsys):

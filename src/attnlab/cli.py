@@ -9,6 +9,7 @@ naming the key path (with the closest key), exit status 2.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import sys
@@ -38,7 +39,7 @@ from .evaluate import (
     score,
     translate_lines,
 )
-from .experiment import load_experiment, parse_value
+from .experiment import known_type, load_experiment, parse_value
 from .export import export_hf
 from .export_ct2 import export_ctranslate2
 from .files import DiskFull
@@ -60,7 +61,7 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
             if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
                 raise ConfigError(f"override --{key} needs a value (--{key} VALUE or --{key}=VALUE)")
             value, i = rest[i + 1], i + 1
-        out[key] = parse_value(value)
+        out[key] = parse_value(value, known_type(key))
         i += 1
     return out
 
@@ -193,9 +194,10 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         metrics["examples"] = [{"source": s, "reference": r, "hypothesis": h}
                                for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
     metrics["seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.ckpt).resolve().parent.parent / f"{split}_results.json"
+    out = run_dir_of(args.ckpt) / f"{split}_results.json"  # the run's folder, or the checkpoint's own
     out.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
     print(json.dumps(metrics, indent=2, ensure_ascii=False))
+    print(f"results in {out}", file=sys.stderr)
     return 0
 
 
@@ -253,6 +255,7 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     dev = pick_device(args.device)
     name = "<stdin>" if args.input == "-" else args.input
     data = sys.stdin.buffer.read() if args.input == "-" else Path(args.input).read_bytes()
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (Windows editors write one) is not text
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -262,7 +265,7 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if lines[-1] == "":
         lines.pop()
     lines = [line.removesuffix("\r") for line in lines]
-    dtype = decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt)))
+    dtype = decode_dtype(dev, recipe_precision(args.ckpt))
     for hyp in translate_lines(module, tok, lines, beam=args.beam, device=dev, dtype=dtype, engine=args.engine,
                                ckpt_path=args.ckpt):
         print(hyp.replace("\r", " ").replace("\n", " "))  # a decoded newline must not break the alignment
@@ -278,7 +281,7 @@ def cmd_generate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     tok = load_tokenizer(args.ckpt, ckpt)
     dev = pick_device(args.device)
     print(generate_text(module, tok, args.prompt, args.max_new_tokens, args.seed, dev,
-                        decode_dtype(dev, recipe_precision(run_dir_of(args.ckpt))), temperature=args.temperature,
+                        decode_dtype(dev, recipe_precision(args.ckpt)), temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p))
     return 0
 
@@ -361,8 +364,8 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter breakdown and training FLOPs of a config, without building it")
     info.add_argument("config", help="YAML: a model config, or an experiment recipe")
-    info.add_argument("--seq-len", type=int, default=128, help="(target) sequence length for FLOPs")
-    info.add_argument("--src-len", type=int, default=128, help="source length for encoder-decoder FLOPs")
+    info.add_argument("--seq-len", type=positive_int, default=128, help="(target) sequence length for FLOPs")
+    info.add_argument("--src-len", type=positive_int, default=128, help="source length for encoder-decoder FLOPs")
     recipe = {"epilog": config_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
 
     def add_config(q: argparse.ArgumentParser) -> None:
@@ -469,12 +472,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         fn = COMMANDS[args.command]
         return fn(args) if args.command == "info" else fn(args, overrides)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except DiskFull as e:  # what was saved before is whole: the message says where and how much space it needs
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+            PermissionError) as e:  # a path or value the user gave: one line naming it
+        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -233,12 +233,12 @@ def one_of(key: str, value: Any, valid: Collection[str], prefix: str = "model") 
         raise ConfigError(f"{prefix}.{key}={value!r} is not one of: {', '.join(valid)}")
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
+def type_ok(value: Any, tp: Any) -> bool:
     if tp is Any:
         return True
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
+        return any(type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if tp is bool:
@@ -248,7 +248,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
     if tp is float:  # an int is a valid float (YAML writes 1.0 as 1.0, but users write 1)
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and all(_type_ok(v, typing.get_args(tp)[0]) for v in value)
+        return isinstance(value, (list, tuple)) and all(type_ok(v, typing.get_args(tp)[0]) for v in value)
     if origin is dict:
         return isinstance(value, dict)
     if isinstance(tp, type):
@@ -262,7 +262,7 @@ def check_types(obj: Any, prefix: str | None = None) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if not _type_ok(value, hints[f.name]):
+        if not type_ok(value, hints[f.name]):
             raise ConfigError(
                 f"{prefix}.{f.name}={value!r} has type {type(value).__name__}, expected {type_name(hints[f.name])}"
             )
@@ -285,7 +285,7 @@ def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
         raise ConfigError(f"unknown config key(s): {detail}")
     hints_t = typing.get_type_hints(cls)
     for k, v in d.items():
-        if not _type_ok(v, hints_t[k]):
+        if not type_ok(v, hints_t[k]):
             raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {type_name(hints_t[k])}")
     return cls(**d)
 
@@ -334,10 +334,13 @@ def parse_yaml(text: str) -> Any:
 def load_yaml(text_or_path: str | Path) -> dict[str, Any]:
     """Parse YAML from a path or a string; errors name the file."""
     p = Path(text_or_path) if not (isinstance(text_or_path, str) and "\n" in text_or_path) else None
-    if p is not None and p.suffix in (".yaml", ".yml", ".json") or (p is not None and p.exists()):
-        if not p.exists():
+    if p is not None and (p.suffix in (".yaml", ".yml", ".json") or p.exists() or ":" not in str(text_or_path)):
+        if not p.exists():  # a path, or one line that is no YAML mapping: a file name
             raise ConfigError(f"config file not found: {p}")
-        source, text = str(p), p.read_text(encoding="utf-8")
+        try:
+            source, text = str(p), p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); a recipe is a UTF-8 YAML file") from None
     else:
         source, text = "<string>", str(text_or_path)
     try:

@@ -337,7 +337,7 @@ def generate(
                eagerly. `compile_step` also compiles that step with torch.compile (fullgraph)."""
     if not isinstance(model, DecoderOnly):
         raise TypeError(f"generate needs a DecoderOnly model (model.arch=decoder_only), got {type(model).__name__}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0 or min_new_tokens < 0:
+    if not temperature >= 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 0 or min_new_tokens < 0:
         raise ValueError(
             f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 0 and min_new_tokens >= 0; got "
             f"temperature={temperature}, top_k={top_k}, top_p={top_p}, max_new_tokens={max_new_tokens}, "

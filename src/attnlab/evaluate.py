@@ -82,10 +82,16 @@ def decode_dtype(device: torch.device, precision: str = "auto") -> torch.dtype |
     return torch.float16 if precision == "16-mixed" else None
 
 
-def recipe_precision(run_dir: Path) -> str:
-    """trainer.precision of the run a checkpoint belongs to (its config.yaml), 'auto' when it has none."""
-    path = run_dir / "config.yaml"
-    return str(load_yaml(path).get("trainer", {}).get("precision", "auto")) if path.is_file() else "auto"
+def recipe_precision(ckpt_path: str | Path) -> str:
+    """trainer.precision of the run a checkpoint belongs to: its run directory's config.yaml, for a checkpoint in
+    <run>/checkpoints/; 'auto' for a checkpoint elsewhere (a copied .ckpt: a config.yaml beside it is not its
+    recipe) or a run without one."""
+    ckpt = Path(ckpt_path).resolve()
+    path = ckpt.parent.parent / "config.yaml"
+    if ckpt.parent.name != "checkpoints" or not path.is_file():
+        return "auto"
+    trainer = load_yaml(path).get("trainer")
+    return str(trainer.get("precision", "auto")) if isinstance(trainer, dict) else "auto"
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ unknown keys anywhere are errors naming the key path.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import typing
@@ -28,6 +29,8 @@ from .config import (
     load_yaml,
     one_of,
     parse_yaml,
+    type_name,
+    type_ok,
 )
 from .data.config import LOCALE_DIRS, DataConfig
 
@@ -175,12 +178,40 @@ class Experiment:
         return dataclasses.replace(self, **sections)
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value as YAML: 0.1 -> float, true -> bool, rmsnorm -> str, [1, 2] -> list."""
+def parse_value(text: str, tp: Any = None) -> Any:
+    """A command-line value as YAML: 0.1 -> float, true -> bool, rmsnorm -> str, [1, 2] -> list. For a text field
+    (`tp` str, or str | None) the text as written: `--data.tgt_lang no` is Norwegian, not False, and
+    `--trainer.run_name 001` is '001' (null or ~ still give None where the field takes it)."""
+    if tp is str or (set(typing.get_args(tp)) == {str, type(None)} and text not in ("null", "~", "")):
+        return text
     try:
         return parse_yaml(text)
     except yaml.YAMLError:
         return text
+
+
+def known_type(dotted: str) -> Any:
+    """The type of config field `dotted`, None for a key that names none (from_raw then says so, with the close
+    matches)."""
+    try:
+        return field_type(dotted, "override")
+    except ConfigError:
+        return None
+
+
+def field_type(dotted: str, where: str) -> Any:
+    """The type hint of a config field; ConfigError naming `where` when `dotted` names no field."""
+    section, _, name = dotted.partition(".")
+    if section not in SECTIONS or not name or "." in name:
+        valid = ", ".join(f"{s}.<field>" for s in SECTIONS)
+        raise ConfigError(f"{where}: {dotted!r} names no config field; expected one of {valid}")
+    hints = typing.get_type_hints(SECTIONS[section])
+    names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+        raise ConfigError(f"{where}: {dotted} names no config field{hint}")
+    return hints[name]
 
 
 def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -214,6 +245,8 @@ def load_raw(path: Path, seen: tuple[Path, ...] = (), default_name: bool = True)
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base, name, {', '.join(SECTIONS)}")
     base = raw.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: base: {base!r} must be the path of the recipe it starts from")
     if base is not None:
         raw = merge(load_raw(path.parent / base, (*seen, path)), raw, str(path))
     if default_name:
@@ -234,6 +267,10 @@ def load_experiment(paths: str | Path | Sequence[str | Path], overrides: dict[st
             raise ConfigError(f"experiment file not found: {path}")
         raw = merge(raw, load_raw(path, default_name=i == 0), str(path))
     for dotted, value in (overrides or {}).items():
+        tp = known_type(dotted)
+        if tp is not None and not type_ok(value, tp):  # named as given, not as the recipe file's
+            raise ConfigError(f"override --{dotted}: {dotted}={value!r} has type {type(value).__name__}, "
+                              f"expected {type_name(tp)}")
         apply_override(raw, dotted, value)
     return from_raw(raw, " + ".join(str(p) for p in paths))
 

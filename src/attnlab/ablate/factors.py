@@ -3,8 +3,6 @@ set, parsed and checked (spec.py assembles them into the study's grid)."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
 import re
 import typing
@@ -12,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from ..experiment import SECTIONS
+from ..experiment import field_type
 from .columns import need as _need
 
 DIST_TYPES = ("float", "int", "log", "categorical")
@@ -57,21 +55,6 @@ def short_key(key: str, keys: list[str]) -> str:
     """`norm` for model.norm unless another axis has the same field name in another section."""
     tail = key.split(".", 1)[-1]
     return tail if sum(k.split(".", 1)[-1] == tail for k in keys) == 1 else key
-
-
-def field_type(dotted: str, where: str) -> Any:
-    """The type hint of a config field; ConfigError naming `where` when `dotted` names no field."""
-    section, _, name = dotted.partition(".")
-    if section not in SECTIONS or not name or "." in name:
-        valid = ", ".join(f"{s}.<field>" for s in SECTIONS)
-        raise ConfigError(f"{where}: {dotted!r} names no config field; expected one of {valid}")
-    hints = typing.get_type_hints(SECTIONS[section])
-    names = [f.name for f in dataclasses.fields(SECTIONS[section])]
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
-        raise ConfigError(f"{where}: {dotted} names no config field{hint}")
-    return hints[name]
 
 
 def coerce(value: Any, tp: Any) -> Any:
