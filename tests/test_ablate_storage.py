@@ -93,6 +93,30 @@ def test_four_workers_run_every_point_exactly_once_on_each_storage(kind, tmp_pat
     assert [r["n"] for r in rows] == ["2"] * 4
 
 
+def files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+
+def test_reading_a_study_never_run_says_so_and_creates_no_storage(tmp_path, monkeypatch, capsys):
+    """status, table, plot, effects, scaling and compare only read: on a study never run each is one line and
+    exit status 2, and none creates the study directory, its journal file or an SQLite database."""
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the base recipe's trainer.runs_dir is relative: the default study directory
+    spec_path = write_study(tmp_path, GRID_8)
+    before = files_under(tmp_path)
+    sqlite = f"sqlite:///{tmp_path / 'never.db'}"
+    for sub in ("status", "table", "plot", "effects", "scaling"):
+        for extra in ([], ["--dir", str(tmp_path / "study")], ["--storage", sqlite]):
+            assert main(["ablate", sub, str(spec_path), *extra]) == 2, (sub, extra)
+            err = capsys.readouterr().err.strip()
+            assert "no study 'study'" in err and "attnlab ablate run" in err and "\n" not in err, (sub, extra, err)
+    assert main(["ablate", "compare", str(spec_path), str(spec_path)]) == 2
+    assert "no study 'study'" in capsys.readouterr().err
+    assert files_under(tmp_path) == before
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "study").exists()
+
+
 # ---------------------------------------------------------------------------------------------- kill storm
 GRID_96 = """\
 seeds: [1, 2, 3, 4, 5, 6, 7, 8]

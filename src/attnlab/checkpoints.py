@@ -302,17 +302,28 @@ def loads(path: str | Path) -> bool:
         return False
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """What a run resumes from: the newest that loads of checkpoints/last.ckpt, Lightning's hpc_ckpt_N.ckpt
-    (saved on SLURM's requeue signal) and the step checkpoints (checkpoints/step=N.ckpt), or None. A file that
-    does not load is skipped, with a warning, for the next newest."""
+def resume_candidates(run_dir: str | Path) -> list[Path]:
+    """The checkpoints a run can resume from, newest first: checkpoints/last.ckpt, Lightning's hpc_ckpt_N.ckpt
+    (saved on SLURM's requeue signal) and the step checkpoints (checkpoints/step=N.ckpt)."""
     run_dir = Path(run_dir)
     found = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"),
                          *(run_dir / "checkpoints").glob("*step=*.ckpt")] if p.is_file()]
-    for path in sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """What a run resumes from: the newest of `resume_candidates` that loads, or None. The files that do not load
+    are skipped, with a warning that names them and the one taken instead."""
+    skipped = []
+    for path in resume_candidates(run_dir):
         if loads(path):
+            if skipped:
+                log.warning("%s does not load (cut short?); skipped for %s, the newest checkpoint that loads",
+                            ", ".join(map(str, skipped)), path)
             return path
-        log.warning("%s does not load (cut short?); resuming from an older checkpoint", path)
+        skipped.append(path)
+    if skipped:
+        log.warning("no checkpoint of %s loads (cut short?): %s", run_dir, ", ".join(map(str, skipped)))
     return None
 
 

@@ -28,7 +28,15 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .bleu import sacrebleu_bleu
-from .checkpoints import AtomicCheckpointIO, StepCheckpoint, check_compatible, copy_checkpoint, load_checkpoint
+from .checkpoints import (
+    AtomicCheckpointIO,
+    StepCheckpoint,
+    check_compatible,
+    copy_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_candidates,
+)
 from .config import ConfigError
 from .data.datamodule import LMDataModule, MLMDataModule, TranslationDataModule
 from .data.tokenizer import MASK_ID
@@ -209,14 +217,36 @@ def prepare(exp: Experiment):
 
 
 def find_resume(run_dir: Path, ckpt_path: str | None) -> str | None:
-    if ckpt_path is None:
-        return None
-    if ckpt_path == "last":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        if not last.exists():
-            raise FileNotFoundError(f"--ckpt_path last: no {last}; nothing to resume (run fit without it)")
-        return str(last)
-    return ckpt_path
+    """The checkpoint a fit resumes: None, the path given, or for 'last' the run's newest checkpoint that loads
+    (`latest_checkpoint`: last.ckpt, or when it is damaged the newest step=N / hpc_ckpt_N that loads, with a
+    warning naming both)."""
+    if ckpt_path != "last":
+        return ckpt_path
+    folder = run_dir / "checkpoints"
+    candidates = resume_candidates(run_dir)
+    if not candidates:
+        raise FileNotFoundError(f"--ckpt-path last: no checkpoint in {folder}; nothing to resume (run fit without it)"
+                                + hashed_siblings(run_dir))
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise ValueError(f"--ckpt-path last: no checkpoint in {folder} loads (cut short?): "
+                         f"{', '.join(p.name for p in candidates)}; resume one by its path, or run fit without it")
+    return str(latest)
+
+
+def hashed_siblings(run_dir: Path) -> str:
+    """For a run directory named <recipe>-<config hash>: the other runs of the recipe that have checkpoints, and how
+    to continue one (every config value, trainer.max_steps too, is in the hash: a longer run is another name)."""
+    prefix, _, digest = run_dir.name.rpartition("-")
+    if not prefix or len(digest) != 10 or any(c not in "0123456789abcdef" for c in digest):
+        return ""
+    others = sorted((p for p in run_dir.parent.glob(f"{prefix}-*") if p != run_dir and resume_candidates(p)),
+                    key=lambda p: p.stat().st_mtime)
+    if not others:
+        return ""
+    return (f". This run directory is named by its config's hash, which trainer.max_steps is part of; runs of "
+            f"{prefix} with checkpoints: {', '.join(p.name for p in others)}. To continue one, add "
+            f"--trainer.run_name {others[-1].name}")
 
 
 def resume_hint(e: DiskFull) -> DiskFull:
@@ -250,11 +280,11 @@ def deterministic_algorithms(on: bool) -> Iterator[None]:
 
 def fit(exp: Experiment, ckpt_path: str | None = None, trainer_overrides: dict | None = None,
         callbacks: list[Callback] | None = None) -> Path:
-    """Train; returns the run directory. `ckpt_path='last'` resumes the run's last checkpoint (a path resumes that
-    checkpoint). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then the process exits with
-    status 143; `--ckpt_path last` continues it with the same per-step losses as an uninterrupted run (a validation
-    the signal cut short is run again first: `RedoCutValidation`). With trainer.deterministic, a GPU run repeats
-    bit for bit (`deterministic_algorithms`)."""
+    """Train; returns the run directory. `ckpt_path='last'` resumes the run's newest checkpoint that loads (a path
+    resumes that checkpoint: `find_resume`). On SIGTERM (preemption, `kill`) the exact state is checkpointed, then
+    the process exits with status 143; `--ckpt_path last` continues it with the same per-step losses as an
+    uninterrupted run (a validation the signal cut short is run again first: `RedoCutValidation`). With
+    trainer.deterministic, a GPU run repeats bit for bit (`deterministic_algorithms`)."""
     dist = torch.distributed
     ours = dist.is_available() and not dist.is_initialized()  # a process group this fit starts, this fit ends
     with deterministic_algorithms(exp.trainer.deterministic):

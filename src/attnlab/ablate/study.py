@@ -167,6 +167,18 @@ def open_storage(url: str) -> BaseStorage:
     return storage
 
 
+def storage_file(url: str) -> Path | None:
+    """The local file a storage keeps its studies in (a journal file, an SQLite database), which opening the
+    storage creates when it is missing; None for a server's storage (PostgreSQL, MySQL) or an in-memory one."""
+    if "://" not in url:
+        return Path(url).resolve()
+    if url.startswith("sqlite"):
+        database = sqlalchemy.engine.make_url(url).database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            return Path(database).resolve()
+    return None
+
+
 def quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -198,15 +210,20 @@ def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: st
 
 
 def connect(spec: AblationSpec, study_dir: Path, storage: str | None = None) -> StudyHandle:
-    """Open an existing study (workers, status, reports)."""
+    """Open an existing study (workers, status, reports). A study never run is a ConfigError, and leaves no file
+    behind: its journal file or SQLite database is not created (nor the study directory)."""
     quiet_optuna()
     study_dir = study_dir.resolve()
     url = storage_url(study_dir, storage)
+    never_run = f"no study {spec.name!r} in {url}; run `attnlab ablate run {spec.path}` first"
+    kept = storage_file(url)
+    if kept is not None and not kept.is_file():  # opening it would create it (and its folder): a query leaves none
+        raise ConfigError(never_run)
     st = open_storage(url)
     try:
         study = optuna.load_study(study_name=spec.name, storage=st)
     except KeyError:
-        raise ConfigError(f"no study {spec.name!r} in {url}; run `attnlab ablate run {spec.path}` first") from None
+        raise ConfigError(never_run) from None
     return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
 
 
