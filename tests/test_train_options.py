@@ -108,10 +108,12 @@ def test_grad_clip_caps_the_norm_the_optimizer_sees(recipe, tmp_path):
     assert any(not torch.allclose(w_clipped[n], w_free[n]) for n in w_free)  # Adam's first step sees the difference
 
 
-def test_keep_checkpoints_keeps_the_newest_step_checkpoints(tmp_path):
+def test_keep_checkpoints_keeps_the_newest_step_checkpoints(tmp_path, caplog):
     recipe = write_recipe(tmp_path, trainer={"max_steps": 8, "ckpt_every": 2, "keep_checkpoints": 2,
-                                             "val_every": 1000})
-    run_dir = fit(load_experiment(recipe))
+                                             "val_every": 1000}, decode={"average_last": 3})
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        run_dir = fit(load_experiment(recipe))
+    assert "trainer.keep_checkpoints=2 keeps fewer step checkpoints than decode.average_last=3" in caplog.text
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
     assert load_checkpoint(run_dir / "checkpoints" / "step=6.ckpt")["global_step"] == 6

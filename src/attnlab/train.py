@@ -308,6 +308,10 @@ def fit_rank() -> int:
 def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | None,
             callbacks: list[Callback] | None) -> Path:
     check_extras(exp)
+    if exp.task == "translation" and exp.trainer.keep_checkpoints < exp.decode.average_last:
+        log.warning("trainer.keep_checkpoints=%d keeps fewer step checkpoints than decode.average_last=%d averages: "
+                    "demo and the ablation's final evaluation will average the last %d", exp.trainer.keep_checkpoints,
+                    exp.decode.average_last, exp.trainer.keep_checkpoints)
     unused = unused_allocation()
     if unused:  # evaluations in a batch script (an ablation worker's) run on one device on purpose; training not
         log.warning("attnlab fit runs in SLURM job %s's batch script, not under srun: this one process trains on "
