@@ -91,8 +91,12 @@ def test_values_out_of_range_and_recipes_that_are_not_text_name_what_is_wrong(ru
     latin1.write_bytes("name: caf\xe9\nbase: x.yaml\n".encode("latin-1"))
     child = tmp_path / "child.yaml"
     child.write_text("base: 5\n", encoding="utf-8")
+    parent, grandchild = tmp_path / "parent.yaml", tmp_path / "grandchild.yaml"
+    parent.write_text(f"base: {runs['recipe']}\nmodel: {{d_model: abc}}\n", encoding="utf-8")
+    grandchild.write_text("base: parent.yaml\nname: g\n", encoding="utf-8")
     for argv, needle in ((["fit", "-c", str(latin1)], f"{latin1}: not UTF-8 text"),
                          (["fit", "-c", str(child)], f"{child}: base: 5 must be the path"),
+                         (["fit", "-c", str(grandchild)], f"{parent}: model.d_model='abc' has type str"),
                          (["info", str(tmp_path / "nothere")], f"config file not found: {tmp_path / 'nothere'}")):
         assert main(argv) == 2, argv
         assert needle in capsys.readouterr().err, argv

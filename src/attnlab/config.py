@@ -275,6 +275,13 @@ def check_types(obj: Any, prefix: str | None = None) -> None:
 
 def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
     """Build dataclass `cls` from `d`, rejecting unknown keys (with close matches) and wrong types."""
+    check_mapping(cls, d, path)
+    return cls(**d)
+
+
+def check_mapping(cls: type, d: dict[str, Any], path: str) -> None:
+    """ConfigError for a key of `d` that names no field of dataclass `cls` (with close matches) or a value of the
+    wrong type; `path` prefixes the keys (`model`)."""
     if not isinstance(d, dict):
         raise ConfigError(f"{path} must be a mapping, got {type(d).__name__}")
     names = {f.name for f in fields(cls)}
@@ -287,7 +294,6 @@ def from_dict(cls: type[T], d: dict[str, Any], path: str) -> T:
     for k, v in d.items():
         if not type_ok(v, hints_t[k]):
             raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {type_name(hints_t[k])}")
-    return cls(**d)
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from .config import (
     ModelConfig,
     OptimConfig,
     StrictConfig,
+    check_mapping,
     check_types,
     load_yaml,
     one_of,
@@ -244,6 +245,12 @@ def load_raw(path: Path, seen: tuple[Path, ...] = (), default_name: bool = True)
     unknown = [k for k in raw if k not in (*SECTIONS, "base", "name")]
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected base, name, {', '.join(SECTIONS)}")
+    for section, cls in SECTIONS.items():  # checked in the file that writes them, not the recipe built on it
+        if isinstance(raw.get(section), dict):
+            try:
+                check_mapping(cls, raw[section], section)
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
     base = raw.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: base: {base!r} must be the path of the recipe it starts from")
