@@ -93,6 +93,19 @@ def test_accumulate_equals_one_step_on_the_joined_batch(recipe, tmp_path):
     assert not torch.allclose(acc.grads[0][name], mean_of_means, rtol=1e-3, atol=1e-6)
 
 
+def test_val_every_counts_optimizer_steps_with_accumulation(tmp_path):
+    """trainer.val_every 2 with optim.accumulate 2: a validation every 2 optimizer steps (4 batches), at the same
+    steps as without accumulation; Lightning's val_check_interval counts batches (it validated every step). Within
+    one epoch: at an epoch's end Lightning steps on a partial window, and batches and steps drift apart."""
+    at = {}
+    for k in (1, 2):
+        recipe = write_recipe(tmp_path, f"acc{k}", optim={"accumulate": k},
+                              trainer={"max_steps": 4, "val_every": 2, "ckpt_every": 4, "run_name": f"acc{k}"},
+                              decode={"val_sentences": 0})
+        at[k] = sorted(read_metrics(fit(load_experiment(recipe)) / "logs" / "metrics.csv")["val/loss"])
+    assert at[2] == at[1] == [1, 3], at
+
+
 def test_grad_clip_caps_the_norm_the_optimizer_sees(recipe, tmp_path):
     """optim.grad_clip c: the logged train/grad_norm is the norm before clipping; the optimizer steps with the
     gradients scaled down to norm c; without clipping it steps with the unclipped ones."""

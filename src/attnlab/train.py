@@ -183,7 +183,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
     kwargs: dict[str, Any] = dict(
         max_steps=t.max_steps,
         max_time=timedelta(minutes=t.max_time_min) if t.max_time_min else None,
-        val_check_interval=t.val_every,
+        val_check_interval=t.val_every * exp.optim.accumulate,  # Lightning counts batches; val_every is steps
         check_val_every_n_epoch=None,  # validation by step, across epoch boundaries
         limit_val_batches=t.limit_val_batches or None,
         log_every_n_steps=t.log_every,
