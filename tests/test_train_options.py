@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import time
 import warnings
 
@@ -296,3 +297,37 @@ def test_a_stretched_validation_interval_still_validates_at_the_end_of_a_step_bu
     run_dir = fit(load_experiment(recipe))
     vals = sorted(read_metrics(run_dir / "logs" / "metrics.csv")["val/loss"])  # CSV steps count from 0
     assert [s + 1 for s in vals] == [5, 10, 15, 20, 25, 60]  # unstretched until timed, then the capped 60
+
+
+class _Micro(Callback):
+    """Records each micro-batch's first ids; sends this process SIGTERM after micro-batch `kill_after`."""
+
+    def __init__(self, kill_after: int | None = None) -> None:
+        self.ids, self.kill_after = [], kill_after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.ids.append(tuple(batch["ids"][:3].tolist()))
+        if len(self.ids) == self.kill_after:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal: Lightning's handler records it
+
+
+def test_sigterm_inside_an_accumulation_window_stops_after_its_step_and_resumes_exactly(tmp_path):
+    """optim.accumulate 2, SIGTERM after the 5th micro-batch (inside step 3's window): the fit stops once step 3 is
+    done, 6 micro-batches in, and the resumed run trains the uninterrupted run's micro-batches, in order, to the
+    same weights. Stopped at once, the checkpoint recorded 5 micro-batches drawn but 2 steps' gradients, and the
+    resumed run skipped the 5th micro-batch."""
+    recipe = write_recipe(tmp_path, optim={"accumulate": 2}, model={"dropout": 0.0},
+                          trainer={"max_steps": 5, "val_every": 1000, "ckpt_every": 1000})
+    exp = load_experiment(recipe)
+    full = _Micro()
+    fit(exp.replace(trainer=exp.trainer.replace(run_name="full")), callbacks=[full])
+    cut, rest = _Micro(kill_after=5), _Micro()
+    with pytest.raises(SystemExit) as e:
+        fit(exp.replace(trainer=exp.trainer.replace(run_name="cut")), callbacks=[cut])
+    assert e.value.code == 128 + signal.SIGTERM
+    saved = load_checkpoint(tmp_path / "runs" / "cut" / "checkpoints" / "last.ckpt")
+    assert (saved["global_step"], saved["TranslationDataModule"]["batches"], len(cut.ids)) == (3, 6, 6)
+    fit(exp.replace(trainer=exp.trainer.replace(run_name="cut")), ckpt_path="last", callbacks=[rest])
+    assert cut.ids + rest.ids == full.ids
+    a, b = (load_checkpoint(tmp_path / "runs" / n / "checkpoints" / "last.ckpt")["state_dict"] for n in ("full", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -139,6 +139,26 @@ class RedoCutValidation(Callback):
         progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
 
 
+class SigtermAtStepEnd(Callback):
+    """SIGTERM inside an accumulation window (optim.accumulate > 1) stops the fit when the window's optimizer step
+    is done, not after the micro-batch it arrived in. Lightning stops after any micro-batch: its checkpoint records
+    the data position of the window's micro-batches so far but not their gradients, and the resumed run skipped
+    them (another data order, the dropout RNG ahead). Lightning's SIGTERM flag (no public setter) is held back
+    until the optimizer steps."""
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        signals = trainer._signal_connector  # what Lightning's handler sets and its loop reads after this hook
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # a micro-batch inside a window: no step yet
+            if signals.received_sigterm:
+                signals.received_sigterm, self.held = False, True
+        elif self.held:  # the window's step is done: stop now, at a step boundary
+            signals.received_sigterm, self.held = True, False
+
+
 def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback] | None = None,
                  stretched: dict[str, int] | None = None, **overrides: Any) -> L.Trainer:
     """The Trainer of a run: step checkpoints (atomic; one on SIGTERM or an exception too), trainer.loggers.
@@ -175,6 +195,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         save_on_train_epoch_end=True,
     )
     callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
+    if exp.optim.accumulate > 1:
+        callbacks.append(SigtermAtStepEnd())
     if t.val_every_min or t.ckpt_every_min:  # intervals that last at least so long on a fast device
         callbacks.append(StretchIntervals(ckpt, t.val_every, t.ckpt_every, t.val_every_min, t.ckpt_every_min,
                                           steps=stretched))
