@@ -144,13 +144,17 @@ class SigtermAtStepEnd(Callback):
     is done, not after the micro-batch it arrived in. Lightning stops after any micro-batch: its checkpoint records
     the data position of the window's micro-batches so far but not their gradients, and the resumed run skipped
     them (another data order, the dropout RNG ahead). Lightning's SIGTERM flag (no public setter) is held back
-    until the optimizer steps."""
+    until the optimizer steps. One process only: under DDP Lightning's signal handler broadcasts rank 0's SIGTERM
+    to the other ranks at once and they stop at their next micro-batch, so rank 0 must too (a rank holding back
+    would wait in a collective the others have left)."""
 
     def __init__(self) -> None:
         self.held = False
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if trainer.world_size > 1:
+            return
         signals = trainer._signal_connector  # what Lightning's handler sets and its loop reads after this hook
         if trainer.fit_loop.epoch_loop._should_accumulate():  # a micro-batch inside a window: no step yet
             if signals.received_sigterm:
