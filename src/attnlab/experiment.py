@@ -30,8 +30,6 @@ from .config import (
     load_yaml,
     one_of,
     parse_yaml,
-    type_name,
-    type_ok,
 )
 from .data.config import LOCALE_DIRS, DataConfig
 
@@ -274,10 +272,9 @@ def load_experiment(paths: str | Path | Sequence[str | Path], overrides: dict[st
             raise ConfigError(f"experiment file not found: {path}")
         raw = merge(raw, load_raw(path, default_name=i == 0), str(path))
     for dotted, value in (overrides or {}).items():
-        tp = known_type(dotted)
-        if tp is not None and not type_ok(value, tp):  # named as given, not as the recipe file's
-            raise ConfigError(f"override --{dotted}: {dotted}={value!r} has type {type(value).__name__}, "
-                              f"expected {type_name(tp)}")
+        section, _, key = dotted.partition(".")
+        if known_type(dotted) is not None:  # a wrong type named as given, not as the recipe file's
+            check_mapping(SECTIONS[section], {key: value}, f"override --{section}")
         apply_override(raw, dotted, value)
     return from_raw(raw, " + ".join(str(p) for p in paths))
 

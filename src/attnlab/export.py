@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,9 @@ def target(cfg: ModelConfig) -> tuple[str, dict[str, tuple[Any, ...]]] | None:
     return TARGETS.get(cfg.arch)
 
 
-def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
-    """`model.<field>=<value> (needs ...)` for every field whose value the target cannot represent."""
+def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]], free: Collection[str] = FREE) -> list[str]:
+    """`model.<field>=<value> (needs ...)` for every field whose value the target cannot represent: a field in
+    `rules` maps at the values listed there, one in `free` at any value, any other at its default only."""
     defaults = ModelConfig()
     out = []
     for f in dataclasses.fields(cfg):
@@ -86,7 +87,7 @@ def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]]) -> list[str]:
             continue
         if f.name in rules:
             allowed = rules[f.name]
-        elif f.name in FREE:
+        elif f.name in free:
             continue
         else:
             allowed = (getattr(defaults, f.name),)

@@ -18,7 +18,6 @@ refused with the list of fields at fault (`refusals`). attnlab keeps `<pad>` at 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -33,7 +32,7 @@ import torch
 from .checkpoints import run_dir_of
 from .config import ConfigError, DecodeConfig, ModelConfig
 from .data.tokenizer import BOS, EOS, UNK, encode_as_trained
-from .export import export_inputs
+from .export import export_inputs, unmapped
 from .models.layers import sinusoidal_positions
 from .models.tables import ACTIVATIONS
 
@@ -97,11 +96,7 @@ def refusals(cfg: ModelConfig) -> list[str]:
     if cfg.position == "alibi" and cfg.arch != "decoder_only":
         out.append("model.position='alibi' (needs 'sinusoidal', 'learned', 'rope' or 'none': ALiBi is "
                    "decoder-only there)")
-    defaults = ModelConfig()
-    for f in dataclasses.fields(cfg):
-        if f.name not in MAPPED and getattr(cfg, f.name) != getattr(defaults, f.name):
-            out.append(f"model.{f.name}={getattr(cfg, f.name)!r} (needs {getattr(defaults, f.name)!r})")
-    return out
+    return out + unmapped(cfg, {}, free=MAPPED)  # a field added to ModelConfig later: at its default only
 
 
 def ct2_refused(cfg: ModelConfig) -> str | None:
