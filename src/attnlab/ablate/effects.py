@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 
 from .factors import fmt
 from .report import Row, collect_rows, digits
-from .stats import fit_linear, rank_correlation, rank_intervals
+from .stats import correlation_text, fit_linear, rank_correlation, rank_intervals
 from .study import StudyHandle
 
 Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "variant": "(A) h=1"}
@@ -287,10 +287,7 @@ def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
     ci = rank_intervals(va, vb, sig["resamples"], sig["seed"])
 
     def stat(name: str, p: float | None) -> str:
-        out = "undefined" if math.isnan(r[name]) else f"{r[name]:+.3f}"
-        if ci is not None and not math.isnan(ci[name][0]):
-            out += f" [95% CI {ci[name][0]:+.2f}, {ci[name][1]:+.2f}]"
-        return out + (f" (p = {p:.3g})" if p is not None else "")
+        return correlation_text(r, ci, name) + (f" (p = {p:.3g})" if p is not None else "")
 
     lines.append(f"\nKendall's tau = {stat('tau', r['tau_p'])}, Spearman's rho = {stat('rho', r['rho_p'])}, "
                  f"n = {r['n']}" + (f": {r['why']}" if r["why"] else f"; {r['p_method']}"))

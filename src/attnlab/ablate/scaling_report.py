@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from .report import latex_escape
 from .scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
-from .stats import rank_correlation, rank_intervals
+from .stats import correlation_text, rank_correlation, rank_intervals
 from .study import DONE, StudyHandle, point_states, trial_value
 
 Points = dict[int, tuple[float, float]]  # seed -> (training FLOPs, final validation loss)
@@ -203,9 +203,7 @@ def size_transfer(h: StudyHandle, curves: dict[str, Curve], sizes: list[str]) ->
     a, b = matrix(small), matrix(large)
     r = rank_correlation(np.nanmean(a, 1), np.nanmean(b, 1))
     ci = rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
-    stat = {k: ("undefined" if math.isnan(r[k]) else f"{r[k]:+.3f}")
-            + (f" [95% CI {ci[k][0]:+.2f}, {ci[k][1]:+.2f}]" if ci and not math.isnan(ci[k][0]) else "")
-            for k in ("tau", "rho")}
+    stat = {k: correlation_text(r, ci, k) for k in ("tau", "rho")}
     p = r["why"] or f"p = {r['tau_p']:.3g} (tau), {r['rho_p']:.3g} (rho); {r['p_method']}"
     return f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}"
 

@@ -236,6 +236,15 @@ def rank_intervals(a: np.ndarray, b: np.ndarray, resamples: int, seed: int, leve
                 "rho": tuple(float(v) for v in np.nanquantile(rhos, q)) if rhos else (math.nan, math.nan)}
 
 
+def correlation_text(r: dict, ci: dict | None, name: str) -> str:
+    """`r[name]` (tau or rho, from rank_correlation) as printed, with its rank_intervals CI where it has one;
+    "undefined" where every score of one side ties."""
+    out = "undefined" if math.isnan(r[name]) else f"{r[name]:+.3f}"
+    if ci and not math.isnan(ci[name][0]):
+        out += f" [95% CI {ci[name][0]:+.2f}, {ci[name][1]:+.2f}]"
+    return out
+
+
 def all_orders(n: int) -> np.ndarray:
     """(n!, n) every permutation of range(n), as int8: the orders of range(k) with k inserted at each place."""
     orders = np.zeros((1, 0), dtype=np.int8)
