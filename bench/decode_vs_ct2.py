@@ -14,7 +14,8 @@ passes after one warm-up pass. The share of sentences where both give the same t
 Beside them, `--engine ctranslate2` as `attnlab test` / `translate` run it: the checkpoint converted once into
 <run dir>/ct2/, the sentences sorted by length and batched as attnlab batches them, one maximum length per
 sentence (the plain CTranslate2 row takes the sentences in their order, in batches of decode.batch_sentences).
-Every row gives its test BLEU. `--int8` (CPU) adds int8 rows, reported apart from the fp32 comparison: attnlab
+Every row gives its test BLEU. On CUDA, attnlab also runs with decode.cuda_graph (each decoding step one CUDA
+graph). `--int8` (CPU) adds int8 rows, reported apart from the fp32 comparison: attnlab
 with torch's dynamic quantization of its linear layers, and the engine with CTranslate2's int8 compute.
 """
 
@@ -159,6 +160,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
                 run_row(rows, {"threads": n or "-", "beam": beam, "sentences": len(srcs),
                                "row": f"attnlab beam {beam}"}, attnlab_row)
+            for beam in beams if args.device == "cuda" else ():  # decode.cuda_graph: every step one CUDA graph
+                def graph_row(beam=beam, ours=ours) -> dict:
+                    module.decode_cfg = cfg.replace(cuda_graph=True)
+                    try:
+                        seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
+                                             args.repeats)
+                    finally:
+                        module.decode_cfg = cfg
+                    return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds,
+                            "same_text": same_text(ours.get(beam, []), out), "bleu": bleu(out)}
+
+                run_row(rows, {"threads": "-", "beam": beam, "sentences": len(srcs),
+                               "row": f"attnlab beam {beam}, decode.cuda_graph"}, graph_row)
             translator = ctranslate2.Translator(str(folder), device=args.device, compute_type="float32",
                                                 intra_threads=n)
             for beam in beams:
