@@ -160,7 +160,8 @@ def test_fields_added_later_keep_old_run_directories_while_they_hold_their_defau
     assert exp.replace(data=exp.data.replace(locale_dir=["/opt/locale"])).config_hash() != FIRST_HASHES[recipe]
     # what decodes the run (CTranslate2 or attnlab) is not what is trained: one run directory for both
     assert exp.replace(decode=exp.decode.replace(engine="ctranslate2")).config_hash() == FIRST_HASHES[recipe]
-    assert exp.replace(decode=exp.decode.replace(cuda_graph=True)).config_hash() == FIRST_HASHES[recipe]
+    flipped = exp.decode.replace(cuda_graph=not exp.decode.cuda_graph)
+    assert exp.replace(decode=flipped).config_hash() == FIRST_HASHES[recipe]
 
 
 

@@ -424,9 +424,10 @@ class DecodeConfig(StrictConfig):
     max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest); 0 = no limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
     engine: str = "attnlab"  # what decodes test, translate, demo, the final evaluation: attnlab | ctranslate2
-    # Off by default until tests/test_gpu.py's check under bf16 autocast has run on a GPU (bench/RESULTS.md: 5.4x HF
-    # Marian greedy and 3.2x beam 4 on an H100, against 1.3x and 1.1x without). Ignored on a CPU, ALiBi, flash_attn.
-    cuda_graph: bool = False  # on CUDA, every decoder step one CUDA graph (decode.py graph=True): the same tokens
+    # On an H100 (bench/RESULTS.md, 2026-11-26): 4.1x HF Marian greedy and 2.6x beam 4, against 1.35x and 1.26x
+    # without; tests/test_gpu.py checks its tokens inside the module under bf16 autocast. Ignored on a CPU, for ALiBi
+    # and for attention_backend flash_attn (those decode the default way).
+    cuda_graph: bool = True  # on CUDA, every decoder step one CUDA graph (decode.py graph=True): the same tokens
 
     def __post_init__(self) -> None:
         check_types(self, "decode")
