@@ -129,13 +129,30 @@ def test_token_batches_reshuffle_per_epoch_deterministically():
     a.set_epoch(0)
     assert list(a) == e0
     assert list(TokenBatchSampler(src, tgt, 1000, seed=2)) != e0
-    # without shuffling: every epoch the same batches, cut in order from the pairs sorted by (tgt, src) length
+    # without shuffling: every epoch the same batches, cut in order from the pairs sorted by (max, src, tgt) length
     fixed = TokenBatchSampler(src, tgt, 1000, shuffle=False)
     first = [list(b) for b in fixed]
     fixed.set_epoch(7)
     assert [list(b) for b in fixed] == first
     flat = [i for b in first for i in b]
-    assert flat == sorted(range(len(src)), key=lambda i: (tgt[i], src[i]))
+    assert flat == sorted(range(len(src)), key=lambda i: (max(src[i], tgt[i]), src[i], tgt[i]))
+
+
+def test_token_batches_are_cut_by_the_larger_side_and_carry_more_tokens():
+    """Sorted by the larger of the two lengths (what bounds B * max(len)), a batch's pairs cost alike; sorted by the
+    target alone, a batch of equal targets is cut at its longest source. Pairs whose lengths differ by side (a
+    translation's): fewer batches for the same pairs, so more real tokens a batch under the same max_tokens."""
+    src, tgt = random_lengths(3000)
+    rng = np.random.default_rng(0)
+    src = np.maximum(1, (tgt * rng.uniform(0.5, 1.6, len(tgt))).astype(np.int64))  # sources longer or shorter
+    new = TokenBatchSampler(src, tgt, 2048, shuffle=False)
+    by_target = np.lexsort((src, tgt))  # the order before: (tgt, src)
+    cuts = new._cut(src[by_target].tolist(), tgt[by_target].tolist())
+    assert len(new) < 0.95 * (len(cuts) - 1)
+    batches = list(new)
+    assert all(len(b) * max(src[b].max(), tgt[b].max()) <= 2048 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(3000))
+    assert tgt.sum() / len(batches) > 1.05 * tgt.sum() / (len(cuts) - 1)
 
 
 def test_oversized_eval_pair_gets_its_own_batch():
