@@ -5,7 +5,10 @@
 The run's tokens/s is the median of its logged train/tokens_per_s (target tokens of one rank's optimizer step over
 the step's wall time) after the first 10% of logged steps (warm-up, compiling, first batches); the benchmark's is
 its row's tokens_per_s (a fixed unpadded batch). The ratio run / benchmark says what the training loop, the data
-and the padding of real batches cost on top of the step itself.
+and the padding of real batches cost on top of the step itself. To tell those apart it also gives the run's fill:
+the real target tokens of a step (its logged train/tokens over its steps, per GPU and micro-batch) over
+data.max_tokens, the slots a side of a step, all of which the benchmark's batch at a recipe's shape (`--recipe`)
+fills. run / benchmark / fill is then what the loop costs beyond the batches' padding.
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ def fit_tokens_per_s(run_dir: Path) -> tuple[float, int]:
         raise SystemExit(f"{run_dir}: no train/tokens_per_s logged (did the run train a step?)")
     kept = [v for _, v in points[len(points) // 10:]]
     return statistics.median(kept), len(kept)
+
+
+def fill(run_dir: Path) -> float | None:
+    """Real target tokens a step of one GPU's micro-batch over data.max_tokens, from the run's logged train/tokens
+    (all GPUs, cumulative) and its config.yaml; None where the run's number of GPUs is not written there."""
+    import yaml
+
+    points = run_metrics(run_dir).get("train/tokens", [])
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) if (run_dir / "config.yaml").is_file() \
+        else None
+    if len(points) < 2 or not cfg:
+        return None
+    devices, nodes = cfg["trainer"].get("devices"), cfg["trainer"].get("num_nodes", 1)
+    if not (isinstance(devices, int) and devices > 0 and isinstance(nodes, int)):
+        return None  # "auto" or a list: how many GPUs ran is not in the file
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    per_step = (t1 - t0) / max(s1 - s0, 1) / (devices * nodes * cfg["optim"].get("accumulate", 1))
+    return per_step / cfg["data"]["max_tokens"]
 
 
 def bench_tokens_per_s(path: Path, row: str, mode: str) -> float:
@@ -53,6 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
            "fit_over_bench": round(fit / bench, 3)}
     print(f"fit {fit:,.0f} tokens/s (median of {n} steps) vs benchmark {bench:,.0f} tokens/s: "
           f"{100 * fit / bench:.0f}% of the benchmark")
+    if (f := fill(args.run_dir)) is not None:
+        out.update(fill=round(f, 3), fit_over_bench_over_fill=round(fit / bench / f, 3))
+        print(f"the run's steps carry {100 * f:.1f}% of data.max_tokens as real target tokens; beyond that padding, "
+              f"the loop runs at {100 * fit / bench / f:.0f}% of the benchmark")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2), encoding="utf-8")
     return out

@@ -38,6 +38,7 @@ def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_pa
     for name in ("demo_fit", "base_fit"):
         fit = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
         assert fit["fit_tokens_per_s"] > 0 and fit["bench_tokens_per_s"] > 0 and fit["fit_over_bench"] > 0
+        assert 0 < fit["fill"] <= 1 and fit["fit_over_bench_over_fill"] > 0  # both runs name devices: 1
     bleu = json.loads((out / "base_bleu.json").read_text(encoding="utf-8"))
     assert bleu["sentences"] > 100 and "nrefs:1" in bleu["bleu_signature"]
     assert "| norm=rmsnorm ffn=swiglu |" in (out / "ablation.txt").read_text(encoding="utf-8")

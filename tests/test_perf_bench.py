@@ -56,3 +56,28 @@ def test_decoding_benchmark_rows_decode_exactly_the_fixed_lengths():
                                             "--repeats", "1", "--warmup", "1"]))
     assert all(r["status"] == "ok" for r in rows.values()), rows  # each call checks its output lengths
     assert rows["mt/attnlab-beam4"]["sentences_per_s"] > 0 and rows["lm/attnlab-graph"]["tokens_per_s"] > 0
+
+
+def test_fit_vs_bench_fill_is_the_real_target_tokens_of_one_gpus_micro_batch_over_max_tokens(tmp_path):
+    """fit_vs_bench's fill, from a run's logged cumulative train/tokens (every GPU) and its config: tokens a step
+    over the GPUs and micro-batches of the step, over data.max_tokens; None where the file does not say how many
+    GPUs ran."""
+    import fit_vs_bench
+    import yaml
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    rows = ["step,train/tokens,train/tokens_per_s"] + [f"{s},{(s + 1) * 6000},{1000 + s}" for s in (99, 199, 299)]
+    (run / "logs" / "metrics.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+    def config(devices, accumulate):
+        cfg = {"trainer": {"devices": devices, "num_nodes": 1}, "optim": {"accumulate": accumulate},
+               "data": {"max_tokens": 1000}}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
+
+    config(1, 1)
+    assert fit_vs_bench.fill(run) == pytest.approx(6.0)  # 6,000 tokens a step of 1,000 slots (made-up numbers)
+    config(2, 3)
+    assert fit_vs_bench.fill(run) == pytest.approx(1.0)  # 6,000 over 2 GPUs x 3 micro-batches
+    config("auto", 1)
+    assert fit_vs_bench.fill(run) is None
