@@ -595,3 +595,8 @@ def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):
     assert result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2) > 0
     assert result["bleu_detail"] in out and f"chrF2 = {result['chrf']:.2f}" in out and str(run_dir) in out
+    # every scored sentence, newlines and all, beside the scores: what they were computed from
+    lines = (run_dir / "demo_translations.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert result["translations"] == str(run_dir / "demo_translations.jsonl") and len(rows) == len(srcs)
+    assert [(r["source"], r["reference"], r["hypothesis"]) for r in rows] == list(zip(srcs, refs, hyps, strict=True))

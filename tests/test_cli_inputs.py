@@ -9,9 +9,12 @@ import json
 import shutil
 
 import pytest
+import sacrebleu
 import yaml
 
 from attnlab.cli import main
+from attnlab.experiment import load_experiment
+from attnlab.train import prepare
 from test_cli import make_runs
 
 
@@ -41,6 +44,12 @@ def test_test_results_of_a_checkpoint_outside_a_run_go_beside_it(runs, tmp_path,
     out = capsys.readouterr()
     assert json.loads((mine.parent / "test_results.json").read_text(encoding="utf-8")) == json.loads(out.out)
     assert f"results in {mine.parent / 'test_results.json'}" in out.err
+    rows = [json.loads(line) for line in (mine.parent / "test_translations.jsonl").read_text(encoding="utf-8")
+            .splitlines()]
+    srcs, refs = prepare(load_experiment(runs["recipe"]))[0].split_texts("test")
+    assert [(r["source"], r["reference"]) for r in rows] == list(zip(srcs, refs, strict=True))
+    hyps = [r["hypothesis"] for r in rows]
+    assert json.loads(out.out)["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
 
 
 def test_a_copied_checkpoint_ignores_a_config_yaml_beside_it_and_a_byte_order_mark(runs, tmp_path, capsys):

@@ -38,6 +38,7 @@ from .evaluate import (
     run_dir_of,
     score,
     translate_lines,
+    write_translations,
 )
 from .experiment import known_type, load_experiment, parse_value
 from .export import export_hf
@@ -195,6 +196,8 @@ def cmd_eval(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
                                for s, r, h in list(zip(srcs, refs, hyps, strict=True))[:5]]
     metrics["seconds"] = round(time.perf_counter() - t0, 1)
     out = run_dir_of(args.ckpt) / f"{split}_results.json"  # the run's folder, or the checkpoint's own
+    if exp.task == "translation":
+        metrics["translations"] = str(write_translations(out.parent / f"{split}_translations.jsonl", srcs, refs, hyps))
     out.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
     print(json.dumps(metrics, indent=2, ensure_ascii=False))
     print(f"results in {out}", file=sys.stderr)
@@ -230,6 +233,7 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences, {dev})"] = time.perf_counter() - t0
     result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
     result["checkpoints_averaged"] = paths
+    result["translations"] = str(write_translations(run_dir / "demo_translations.jsonl", srcs, refs, hyps))
     (run_dir / "demo_results.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
     print(f"\n{'=' * 78}\n{result['bleu_detail']}\nchrF2 = {result['chrf']:.2f}")
     print(f"BLEU signature: {result['bleu_signature']}\nchrF signature: {result['chrf_signature']}")

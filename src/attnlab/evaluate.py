@@ -8,6 +8,7 @@ recipe trains in bf16 (trainer.precision auto or bf16-*), fp16 autocast for 16-m
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -230,3 +231,15 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "") -> dict[str, Any
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return {"bleu": round(b.score, 2), "chrf": round(c.score, 2), "bleu_signature": str(bleu.get_signature()),
             "chrf_signature": str(chrf.get_signature()), "bleu_detail": str(b), "sentences": len(hyps)}
+
+
+def write_translations(path: Path, sources: list[str], references: list[str], hypotheses: list[str]) -> Path:
+    """Every scored sentence as a JSON line {"source", "reference", "hypothesis"} (a message may hold newlines, so
+    not one sentence a line of text): what a paired comparison of two systems or a look at the long sentences
+    needs, beside the corpus scores. Written whole."""
+    from .files import write_text_atomic
+
+    rows = zip(sources, references, hypotheses, strict=True)
+    write_text_atomic(path, "".join(json.dumps({"source": s, "reference": r, "hypothesis": h}, ensure_ascii=False)
+                                    + "\n" for s, r, h in rows))
+    return path
