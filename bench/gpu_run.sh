@@ -187,6 +187,8 @@ step base_bleu $((300 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo -c experimen
   --data.corpus gettext:de --trainer.devices 1 --trainer.strategy auto --trainer.run_name gpu_base \
   --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
 [ -f "$OUT/runs/gpu_base/demo_results.json" ] && cp "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
+[ -f "$OUT/runs/gpu_base/demo_translations.jsonl" ] && cp "$OUT/runs/gpu_base/demo_translations.jsonl" \
+  "$OUT/base_translations.jsonl"  # every test sentence with its hypothesis: where the BLEU goes
 # the benchmark's step at that run's shape: does the loop or the shape cost the 5-minute run its tokens/s?
 step base_bench $([ "$DRY" = 1 ] && echo 240 || echo 180) "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager \
   --tasks encdec --only encdec/attnlab --recipe "$OUT/runs/gpu_base/config.yaml" --json "$OUT/base_bench.json"

@@ -41,6 +41,7 @@ def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_pa
         assert 0 < fit["fill"] <= 1 and fit["fit_over_bench_over_fill"] > 0  # both runs name devices: 1
     bleu = json.loads((out / "base_bleu.json").read_text(encoding="utf-8"))
     assert bleu["sentences"] > 100 and "nrefs:1" in bleu["bleu_signature"]
+    assert len((out / "base_translations.jsonl").read_text(encoding="utf-8").splitlines()) == bleu["sentences"]
     assert "| norm=rmsnorm ffn=swiglu |" in (out / "ablation.txt").read_text(encoding="utf-8")
     assert "4 trials finished in" in summary and "trials per hour" in summary
 
