@@ -153,6 +153,11 @@ def test_token_batches_are_cut_by_the_larger_side_and_carry_more_tokens():
     assert all(len(b) * max(src[b].max(), tgt[b].max()) <= 2048 for b in batches)
     assert sorted(i for b in batches for i in b) == list(range(3000))
     assert tgt.sum() / len(batches) > 1.05 * tgt.sum() / (len(cuts) - 1)
+    # the order before, for a run resumed from a checkpoint counted in its batches
+    old = TokenBatchSampler(src, tgt, 2048, shuffle=False, sort_by="target")
+    assert [i for b in old for i in b] == by_target.tolist() and len(old) == len(cuts) - 1
+    with pytest.raises(ValueError, match="sort_by='source'"):
+        TokenBatchSampler(src, tgt, 2048, sort_by="source")
 
 
 def test_oversized_eval_pair_gets_its_own_batch():

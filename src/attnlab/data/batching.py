@@ -257,17 +257,22 @@ class TokenBatchSampler(_ShardedBatchSampler):
     target, as before), a batch of equal targets carries sources of every length and is cut at its longest: on
     gettext:de at max_tokens 8,192 that was 87 batches an epoch of 6,767 target tokens; by the larger side, 76 of
     7,746 (bench/RESULTS.md). A single pair longer than max_tokens (only possible in eval splits) gets a batch of
-    its own."""
+    its own. `sort_by="target"` keeps the
+    order before (target, then source length), for a run resumed from a checkpoint made with it."""
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, shuffle: bool = True,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1, sort_by: str = "longer") -> None:
         super().__init__(shuffle, seed, rank, world_size)
         self.src_lens, self.tgt_lens = np.asarray(src_lens, np.int64), np.asarray(tgt_lens, np.int64)
         if len(self.src_lens) != len(self.tgt_lens) or len(self.src_lens) == 0:
             raise ValueError("src_lens and tgt_lens must have the same, non-zero length")
         self.max_tokens = max_tokens
-        self.cost = np.maximum(self.src_lens, self.tgt_lens)  # (N,) what a pair adds to B * max(len) of a side
-        self.order = np.lexsort((self.tgt_lens, self.src_lens, self.cost))
+        if sort_by not in ("longer", "target"):
+            raise ValueError(f"sort_by={sort_by!r}: longer or target")
+        cost = np.maximum(self.src_lens, self.tgt_lens)  # (N,) what a pair adds to B * max(len) of a side
+        # lexsort keys, the last one first
+        self.keys = (self.tgt_lens, self.src_lens, cost) if sort_by == "longer" else (self.src_lens, self.tgt_lens)
+        self.order = np.lexsort(self.keys)
         # The cut points depend only on the sorted length sequence, which tie-breaking never changes: compute
         # them once; each epoch then only re-draws the order within equal lengths (and the batch order).
         self.starts = self._cut(self.src_lens[self.order].tolist(), self.tgt_lens[self.order].tolist())
@@ -288,7 +293,7 @@ class TokenBatchSampler(_ShardedBatchSampler):
         if not self.shuffle:
             return np.split(self.order, self.starts[1:-1])
         rng = self._rng(epoch)
-        order = np.lexsort((rng.random(len(self.src_lens)), self.tgt_lens, self.src_lens, self.cost))
+        order = np.lexsort((rng.random(len(self.src_lens)), *self.keys))
         batches = np.split(order, self.starts[1:-1])
         return [batches[i] for i in rng.permutation(len(batches))]
 

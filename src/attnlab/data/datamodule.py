@@ -423,7 +423,17 @@ class TranslationDataModule(_DataModule):
         ds = self.dataset(split)
         rank, world = self.rank_world()
         return TokenBatchSampler(ds.src.lengths() + 1, ds.tgt.lengths() + 1, self.cfg.max_tokens, shuffle=shuffle,
-                                 seed=self.seed, rank=rank, world_size=world)
+                                 seed=self.seed, rank=rank, world_size=world, sort_by=self.sort_by)
+
+    sort_by = "longer"  # a checkpoint without one (older) counts its data position in target-sorted batches
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**state, "sort_by": self.sort_by} if (state := super().state_dict()) else state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state:
+            self.sort_by = state.get("sort_by", "target")
 
     def _split_loader(self, split: str, shuffle: bool) -> DataLoader:
         return self._loader(self.dataset(split), self.sampler(split, shuffle), collate_pairs)
