@@ -403,7 +403,8 @@ def test_sigterm_mid_epoch_then_resume_reproduces_the_uninterrupted_losses(tmp_p
     assert (cut_dir / "checkpoints" / f"step={stopped}.ckpt").is_file()
     assert stopped % per_epoch != 0, f"killed at an epoch boundary (step {stopped}); the test wants mid-epoch"
     # the exact-resume position is the datamodule's state: the epoch and the batches of it trained
-    assert last["TranslationDataModule"] == {"epoch": stopped // per_epoch, "batches": stopped % per_epoch}
+    assert last["TranslationDataModule"] == {"epoch": stopped // per_epoch, "batches": stopped % per_epoch,
+                                          "sort_by": "longer"}
     partial = read_metrics(cut_dir / "logs" / "metrics.csv")
     assert max(partial["train/loss"]) == stopped - 1
 
