@@ -24,6 +24,7 @@ from .bleu import sacrebleu_bleu
 from .checkpoints import checked, load_checkpoint, load_tokenizer, run_dir_of  # noqa: F401 (evaluate's API too)
 from .config import ConfigError, DecodeConfig, load_yaml
 from .decode import GENERATE_MAX_NEW_TOKENS, generate, position_cap  # noqa: F401 (the CLI's default)
+from .files import write_text_atomic
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .lit.base import eager_blocks
 
@@ -237,8 +238,6 @@ def write_translations(path: Path, sources: list[str], references: list[str], hy
     """Every scored sentence as a JSON line {"source", "reference", "hypothesis"} (a message may hold newlines, so
     not one sentence a line of text): what a paired comparison of two systems or a look at the long sentences
     needs, beside the corpus scores. Written whole."""
-    from .files import write_text_atomic
-
     rows = zip(sources, references, hypotheses, strict=True)
     write_text_atomic(path, "".join(json.dumps({"source": s, "reference": r, "hypothesis": h}, ensure_ascii=False)
                                     + "\n" for s, r, h in rows))

@@ -257,8 +257,8 @@ class TokenBatchSampler(_ShardedBatchSampler):
     target, as before), a batch of equal targets carries sources of every length and is cut at its longest: on
     gettext:de at max_tokens 8,192 that was 87 batches an epoch of 6,767 target tokens; by the larger side, 76 of
     7,746 (bench/RESULTS.md). A single pair longer than max_tokens (only possible in eval splits) gets a batch of
-    its own. `sort_by="target"` keeps the
-    order before (target, then source length), for a run resumed from a checkpoint made with it."""
+    its own. `sort_by="target"` keeps the order before (target, then source length), for a run resumed from a
+    checkpoint made with it."""
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, shuffle: bool = True,
                  seed: int = 0, rank: int = 0, world_size: int = 1, sort_by: str = "longer") -> None:
