@@ -262,6 +262,11 @@ def test_info_sizes_a_recipe(runs, capsys):
     assert main(["info", str(runs["recipe"])]) == 0
     out = capsys.readouterr().out
     assert "d_model=32" in out and "total" in out
+    assert main(["info", "-c", str(runs["recipe"])]) == 0  # as every other command takes its recipe
+    assert capsys.readouterr().out == out
+    for argv in (["info"], ["info", str(runs["recipe"]), "-c", str(runs["recipe"])]):
+        assert main(argv) == 2, argv
+        assert "give one config" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- devices

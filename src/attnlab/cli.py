@@ -127,6 +127,9 @@ def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if (args.config is None) == (args.config_file is None):
+        raise ConfigError("give one config: attnlab info FILE or attnlab info -c FILE")
+    args.config = args.config or args.config_file
     cfg, vocab_from, recipe = info_config(args.config)
     counts = count_parameters(cfg)
     total = counts.pop("total")
@@ -367,7 +370,8 @@ def build_parser() -> Parser:
                    version=f"attnlab {__version__} (torch {torch.__version__}, lightning {lightning.__version__})")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter breakdown and training FLOPs of a config, without building it")
-    info.add_argument("config", help="YAML: a model config, or an experiment recipe")
+    info.add_argument("config", nargs="?", help="YAML: a model config, or an experiment recipe")
+    info.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same, as other commands take it")
     info.add_argument("--seq-len", type=positive_int, default=128, help="(target) sequence length for FLOPs")
     info.add_argument("--src-len", type=positive_int, default=128, help="source length for encoder-decoder FLOPs")
     recipe = {"epilog": config_help(), "formatter_class": argparse.RawDescriptionHelpFormatter}
