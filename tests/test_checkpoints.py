@@ -22,6 +22,7 @@ from attnlab.checkpoints import (
     last_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    resume_candidates,
     save_atomic,
     v1_norm_key,
 )
@@ -112,6 +113,27 @@ def test_latest_checkpoint_is_the_newest_of_last_and_hpc(tmp_path):
     assert checkpoint_step(hpc) == 9
     (tmp_path / "broken.ckpt").write_bytes(b"not a zip")
     assert checkpoint_step(tmp_path / "broken.ckpt").startswith("unknown (")
+
+
+def test_latest_checkpoint_is_the_highest_step_whatever_the_files_times(tmp_path):
+    """A run directory copied without its modification times (cp -r) resumes from its highest step, not from the
+    file the copy happened to write last; equal steps go by time."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for i, (name, step) in enumerate([("step=40.ckpt", 40), ("last.ckpt", 40), ("step=30.ckpt", 30),
+                                      ("step=5.ckpt", 5)]):
+        torch.save({"global_step": step}, folder / name)
+        os.utime(folder / name, ns=(10**9 * (i + 1),) * 2)  # the lower steps look newer
+    torch.save({"global_step": 35}, tmp_path / "hpc_ckpt_2.ckpt")
+    os.utime(tmp_path / "hpc_ckpt_2.ckpt", ns=(10**10,) * 2)
+    assert [p.name for p in resume_candidates(tmp_path)] == [
+        "last.ckpt", "step=40.ckpt", "hpc_ckpt_2.ckpt", "step=30.ckpt", "step=5.ckpt"]
+    assert latest_checkpoint(tmp_path) == folder / "last.ckpt"
+    (folder / "last.ckpt").write_bytes(b"cut sh")  # unreadable: tried first, skipped with a warning
+    assert resume_candidates(tmp_path)[0].name == "last.ckpt"
+    assert latest_checkpoint(tmp_path) == folder / "step=40.ckpt"
+    torch.save({"global_step": 40}, folder / "step=40-v1.ckpt")  # a second branch at the same step: the newer
+    assert latest_checkpoint(tmp_path) == folder / "step=40-v1.ckpt"
 
 
 SAVER = """

@@ -304,11 +304,20 @@ def loads(path: str | Path) -> bool:
 
 def resume_candidates(run_dir: str | Path) -> list[Path]:
     """The checkpoints a run can resume from, newest first: checkpoints/last.ckpt, Lightning's hpc_ckpt_N.ckpt
-    (saved on SLURM's requeue signal) and the step checkpoints (checkpoints/step=N.ckpt)."""
+    (saved on SLURM's requeue signal) and the step checkpoints (checkpoints/step=N.ckpt).
+    Newest is the highest global step (a step=N file's N, the others' saved step), then the latest modification
+    time among equal steps: a run directory copied without its times (cp -r, rsync without -t) has them in any
+    order. A file whose step cannot be read comes first, so that `latest_checkpoint` names it as skipped."""
     run_dir = Path(run_dir)
     found = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt"),
                          *(run_dir / "checkpoints").glob("*step=*.ckpt")] if p.is_file()]
-    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+    def newest(p: Path) -> tuple[float, int]:
+        named = re.fullmatch(r"(?:.*-)?step=(\d+)(?:-v\d+)?\.ckpt", p.name)
+        step = int(named.group(1)) if named else checkpoint_step(p)
+        return (step if isinstance(step, int) else float("inf")), p.stat().st_mtime_ns
+
+    return sorted(found, key=newest, reverse=True)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
