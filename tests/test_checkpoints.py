@@ -26,6 +26,7 @@ from attnlab.checkpoints import (
     save_atomic,
     v1_norm_key,
 )
+from attnlab.config import ConfigError
 from attnlab.evaluate import load_module
 from attnlab.experiment import from_raw
 from attnlab.rundir import run_metrics
@@ -249,6 +250,30 @@ def test_average_rejects_differing_integer_tensors_and_shapes(tmp_path):
     bad["state_dict"]["w"] = torch.zeros(3, 4)
     torch.save(bad, paths[0])
     with pytest.raises(ValueError, match=r"w: .*step=100\.ckpt has \(3, 4\)"):
+        average_checkpoints(paths)
+
+
+def test_average_refuses_checkpoints_of_other_models_or_tokenizers(tmp_path):
+    """Same keys and shapes are not the same model: a ReLU run averaged into a GELU one, or two runs whose BPE
+    gave the same ids to other pieces, are refused naming the field; training-only fields (dropout) may differ."""
+    paths, _ = write_ckpts(tmp_path)
+
+    def stamp(path, tokenizer="tok-a", **model):
+        ckpt = torch.load(path, weights_only=True)
+        ckpt.update(attnlab_format=FORMAT, tokenizer={"tokenizer.json": tokenizer},
+                    hyper_parameters={"model": {"ffn": "relu", "dropout": 0.1, **model}})
+        torch.save(ckpt, path)
+
+    for p in paths:
+        stamp(p)
+    stamp(paths[0], dropout=0.3)
+    assert average_checkpoints(paths)["hyper_parameters"]["model"]["dropout"] == 0.1  # the last file's
+    stamp(paths[1], ffn="gelu")
+    with pytest.raises(ConfigError, match=r"step=200\.ckpt with .*step=300\.ckpt: a different model config: "
+                                          r"model\.ffn: 'gelu' vs 'relu'$"):
+        average_checkpoints(paths)
+    stamp(paths[1], tokenizer="tok-b")
+    with pytest.raises(ConfigError, match=r"step=200\.ckpt with .*step=300\.ckpt: they carry different tokenizers"):
         average_checkpoints(paths)
 
 

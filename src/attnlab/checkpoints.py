@@ -220,6 +220,7 @@ def average_checkpoints(paths: Sequence[str | Path], out_path: str | Path | None
         raise ValueError(f"cannot average Lightning checkpoints with plain state dicts: {kinds}")
     if lightning[0]:
         ckpts = [migrate(c) if "hyper_parameters" in c else c for c in ckpts]  # one layout for every file
+        same_model(paths, ckpts)
     states = [c["state_dict"] for c in ckpts] if lightning[0] else ckpts
     ref = states[-1]
     for p, s in zip(paths, states, strict=True):
@@ -259,6 +260,28 @@ def average_checkpoints(paths: Sequence[str | Path], out_path: str | Path | None
     if out_path is not None:
         save_atomic(result, out_path)
     return result
+
+
+# model fields that act only in training: checkpoints that differ in them average into one model all the same
+TRAINING_ONLY = ("dropout", "attn_dropout", "z_loss", "init_std")
+
+
+def same_model(paths: Sequence[str], ckpts: Sequence[dict[str, Any]]) -> None:
+    """Refuse to average checkpoints of different models: a model config field other than TRAINING_ONLY, or the
+    tokenizer, differs from the last file's (the one whose config and tokenizer the result keeps)."""
+    def model(c: dict[str, Any]) -> dict[str, Any]:
+        return {**ModelConfig().to_dict(), **c.get("hyper_parameters", {}).get("model", {})}
+
+    ref = model(ckpts[-1])
+    for p, c in zip(paths[:-1], ckpts[:-1], strict=True):
+        here = model(c)
+        diff = [f"model.{k}: {here.get(k)!r} vs {ref.get(k)!r}" for k in sorted(set(here) | set(ref))
+                if k not in TRAINING_ONLY and here.get(k) != ref.get(k)]
+        if diff:
+            raise ConfigError(f"cannot average {p} with {paths[-1]}: a different model config: " + "; ".join(diff))
+        if c.get("tokenizer") != ckpts[-1].get("tokenizer"):
+            raise ConfigError(f"cannot average {p} with {paths[-1]}: they carry different tokenizers (the same "
+                              "token ids mean other pieces)")
 
 
 def _equal(a: Any, b: Any) -> bool:
