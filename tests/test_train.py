@@ -529,6 +529,17 @@ def test_a_checkpoint_from_another_model_config_is_refused_naming_the_fields(tin
         fit(load_experiment(recipe, {"trainer.run_name": "never_ran"}), ckpt_path="last")
 
 
+def test_a_resume_whose_data_builds_another_tokenizer_is_refused_keeping_the_runs(tiny_run):
+    """The same vocabulary size is not the same tokenizer: BPE learnt from fewer lines gives its ids to other
+    pieces. The resume is refused before the run directory's tokenizer/ is written over."""
+    recipe, run_dir = tiny_run
+    before = {p.name: p.read_bytes() for p in (run_dir / "tokenizer").iterdir()}
+    with pytest.raises(ConfigError, match=r"last\.ckpt was trained with another tokenizer"):
+        fit(load_experiment(recipe, {"data.tokenizer_max_lines": 150, "trainer.run_name": run_dir.name}),
+            ckpt_path="last")
+    assert {p.name: p.read_bytes() for p in (run_dir / "tokenizer").iterdir()} == before
+
+
 def test_a_fresh_fit_moves_an_earlier_runs_files_aside(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

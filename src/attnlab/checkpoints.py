@@ -162,6 +162,20 @@ def check_compatible(ckpt: dict[str, Any], model_cfg: ModelConfig, path: str | P
         raise ConfigError(f"{path} was trained with a different model config: " + "; ".join(diff))
 
 
+def check_same_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: str | Path) -> None:
+    """Refuse to resume a checkpoint whose tokenizer is not the one the recipe's data builds now: its token ids
+    would mean other pieces. Compared as loaded (each side written back by the same code); a checkpoint that
+    carries no tokenizer (an older attnlab) is not checked."""
+    saved = ckpt.get("tokenizer")
+    if not isinstance(saved, dict):
+        return
+    if Tokenizer.from_files(saved, str(path)).to_files() != Tokenizer.from_files(tokenizer.to_files(), "").to_files():
+        raise ConfigError(f"{path} was trained with another tokenizer than the one this recipe's data builds (a "
+                          "data.* setting that shapes it changed: the corpus, its splits, the vocabulary size or "
+                          "the lines it learns from); resume with the recipe it was trained with, or start another "
+                          "run (another trainer.run_name)")
+
+
 # ---------------------------------------------------------------------------------------------- migration
 _V1_NORM = re.compile(r"^(?P<block>(?:.*\.)?layers\.\d+\.)(?P<kind>norms|out_norms)\.(?P<sub>self_attn|cross_attn|ffn)"
                       r"\.(?P<param>.+)$")

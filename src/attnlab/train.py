@@ -32,6 +32,7 @@ from .checkpoints import (
     AtomicCheckpointIO,
     StepCheckpoint,
     check_compatible,
+    check_same_tokenizer,
     copy_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -351,6 +352,7 @@ def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | No
     if resume:
         ckpt = load_checkpoint(resume)
         check_compatible(ckpt, exp.model, resume)
+        check_same_tokenizer(ckpt, dm.tokenizer, resume)
         stretched = saved_steps(ckpt)  # the intervals the run had stretched to (trainer.*_every_min)
     module = make_module(exp, dm)
     if exp.task == "translation":
