@@ -125,6 +125,26 @@ def test_a_steps_budget_is_also_the_schedules_horizon(tmp_path):
     assert load_spec(fixed).experiment({}).optim.max_steps == 1000
 
 
+def test_trials_of_a_step_budget_validate_and_checkpoint_at_the_recipes_steps(tmp_path):
+    """demo_en_de stretches its intervals to 0.5 / 0.1 minutes by the timing of a run's first steps. Trials ending
+    at a fixed step must not: each would average the checkpoints of other steps. A time budget keeps them (its
+    trials end at no fixed step), and the file's own overrides win."""
+    sig = load_spec(layout(tmp_path, ROOT / "ablations" / "demo_significance.yaml"))
+    assert sig.base.name == "demo_en_de.yaml"
+    exp = sig.experiment({})
+    assert (exp.trainer.val_every_min, exp.trainer.ckpt_every_min) == (0, 0)
+    assert (exp.trainer.val_every, exp.trainer.ckpt_every, exp.trainer.max_steps) == (300, 50, 600)
+    text = sig.path.read_text(encoding="utf-8")
+    timed = sig.path.with_name("timed.yaml")
+    timed.write_text(text.replace("budget: {steps: 600}", "budget: {time_min: 3}")
+                     .replace("overrides:\n", "overrides:\n  optim.max_steps: 600\n"), encoding="utf-8")
+    exp = load_spec(timed).experiment({})
+    assert (exp.trainer.val_every_min, exp.trainer.ckpt_every_min) == (0.5, 0.1)
+    own = sig.path.with_name("own.yaml")
+    own.write_text(text.replace("overrides:\n", "overrides:\n  trainer.ckpt_every_min: 0.2\n"), encoding="utf-8")
+    assert load_spec(own).experiment({}).trainer.ckpt_every_min == 0.2
+
+
 def test_a_time_budget_with_a_decaying_schedule_needs_a_horizon(tmp_path):
     lm = tmp_path / "ablations" / "lm.yaml"
     layout(tmp_path)

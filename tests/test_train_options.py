@@ -269,6 +269,10 @@ def test_stretched_intervals_are_the_smallest_multiple_lasting_the_minimum():
     # (val_every 400, val_every_min 0.5) validated every 1,200 steps, so never, and every trial failed
     assert stretched(400, 0.5, 0.034, last=800) == 800 and stretched(400, 0.5, 0.034, last=1000) == 800
     assert stretched(400, 0.5, 0.034, last=-1) == 1200 and stretched(400, 0.5, 0.034, last=300) == 1200
+    # where `every` divides the budget the stretched interval does too, so the last step validates: 300 steps,
+    # every 15 wanting 45 gives 60 (validations at 60 ... 300), not 45 (the last at 270)
+    assert stretched(15, 0.75, 1.0, last=300) == 60 and stretched(15, 0.75, 1.0, last=310) == 45
+    assert stretched(10, 1.0, 0.1, last=70) == 70  # 60 wanted; 70 is the only multiple of 10 dividing 70 from 60 on
 
 
 def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_path, monkeypatch):

@@ -23,12 +23,18 @@ log = logging.getLogger("attnlab")
 
 def stretched(every: int, minutes: float, step_s: float, last: int = -1) -> int:
     """The smallest multiple of `every` steps lasting at least `minutes` at `step_s` seconds a step, but no more
-    than the last multiple of `every` within `last` (trainer.max_steps; <= 0: none). A run of a fixed step budget
-    (an ablation's trials) so still validates at its end: stretched past it, it would never validate at all."""
+    than the last multiple of `every` within `last` (trainer.max_steps; <= 0: none): stretched past it, a run of a
+    fixed step budget would never validate at all. Where `every` divides `last`, the multiple also divides it, so
+    the run still validates (and checkpoints) at its last step."""
     if minutes <= 0 or step_s <= 0:
         return every
     n = max(1, math.ceil(minutes * 60 / (step_s * every)))
-    return every * (min(n, last // every) if last >= every else n)
+    if last < every:
+        return every * n
+    m = last // every
+    if last % every == 0:  # the smallest multiple from n on that divides the budget (m itself at the most)
+        return every * next((k for k in range(min(n, m), m + 1) if m % k == 0), m)
+    return every * min(n, m)
 
 
 class StretchIntervals(Callback):

@@ -181,7 +181,8 @@ class AblationSpec:
 
     # ----- configs -----
     def trial_overrides(self, variant_overrides: dict[str, Any], seed: int) -> dict[str, Any]:
-        """Base <- the budget's schedule horizon <- fixed overrides <- budget and resources <- the variant <- the seed.
+        """Base <- the budget's schedule horizon and step intervals <- fixed overrides <- budget and resources <- the
+        variant <- the seed.
 
         A steps budget is also the learning-rate schedule's horizon (optim.max_steps), unless the file sets that
         itself: a trial that stops at N steps must not compare its variants with the rate still near its peak."""
@@ -191,6 +192,10 @@ class AblationSpec:
         if (self.budget_steps is not None or self.budget_flops is not None or self.scale_budget) and \
                 self.budget_time_min is None:
             out["trainer.max_time_min"] = 0  # the budget, not the recipe's time limit, ends a trial
+            # at a fixed step, so it validates and checkpoints at the recipe's steps, the same in every trial: were
+            # they stretched by the timing of a trial's first steps (trainer.*_every_min: its variant, the machine's
+            # load), trials would average the checkpoints of other steps and validate at other steps
+            out["trainer.val_every_min"] = out["trainer.ckpt_every_min"] = 0
         out.update(self.overrides)
         if self.budget_steps is not None:
             out["trainer.max_steps"] = self.budget_steps
