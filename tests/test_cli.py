@@ -511,6 +511,18 @@ def test_fit_dry_run_prints_the_resolved_config_and_trains_nothing(runs, tmp_pat
     assert printed["model"]["norm"] == "rmsnorm" and printed["trainer"]["max_steps"] == TINY["trainer"]["max_steps"]
     assert "dry run: nothing trained" in err and not (tmp_path / "runs").exists()
     assert not (tmp_path / "data_cache").exists()  # not even the data is prepared
+    # the run directory it names is the one fit then writes (a run named by its config's hash: the recipe as given
+    # names it, not the config with the tokenizer's vocabulary filled in)
+    named = Path(err.split("Run directory: ")[1].split(";")[0])
+    assert named.name.startswith("dry-") and not named.exists()
+    assert main(["fit", "-c", str(recipe), "--model.norm", "rmsnorm"]) == 0
+    assert (named / "checkpoints" / "last.ckpt").is_file() and [p.name for p in named.parent.iterdir()] == [named.name]
+    # a run named before this by the resolved config continues where it is
+    _, resolved = prepare(load_experiment(recipe, {"model.norm": "rmsnorm"}))
+    assert resolved.run_dir() != named
+    named.rename(resolved.run_dir())
+    assert main(["fit", "-c", str(recipe), "--model.norm", "rmsnorm", "--ckpt-path", "last"]) == 0
+    assert [p.name for p in named.parent.iterdir()] == [resolved.run_dir().name]
 
 
 def test_fit_help_describes_the_slurm_options_in_fit_words(capsys):

@@ -563,7 +563,7 @@ def test_a_fit_that_starts_removes_an_earlier_fits_done_mark(tmp_path):
     """fit_done.json says the fit in a run directory ran to its end: a fit that starts there (fresh or resuming
     to train further) removes it first, so a crash leaves none behind for the ablation runner to trust."""
     exp = load_experiment(write_recipe(tmp_path, trainer={"max_steps": 2}))
-    run_dir = prepare(exp)[1].run_dir()  # named with the vocabulary the tokenizer gives
+    run_dir = exp.run_dir()  # named by the recipe as given
     run_dir.mkdir(parents=True)
     mark_fit_done(run_dir, 2)
     with pytest.raises(RuntimeError, match="crash"):

@@ -345,8 +345,12 @@ def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | No
                     "one device and the allocation's %s go unused (with several tasks Lightning would wait for the "
                     "others forever). Start it as `srun attnlab fit ...` (#SBATCH --ntasks-per-node=<GPUs per "
                     "node>), or submit with `attnlab fit --slurm`", os.environ["SLURM_JOB_ID"], unused)
+    run_dir = exp.run_dir()  # named by the recipe as given, as `fit --dry-run` and `fit --slurm` name it
     dm, exp = prepare(exp)
-    run_dir = exp.run_dir()
+    before = exp.run_dir()  # what attnlab named it before 2026-11-26: by the config with the tokenizer's vocabulary
+    if before != run_dir and not run_dir.exists() and before.exists():
+        log.info("continuing in %s (the name its config hash gave it in an earlier attnlab)", before)
+        run_dir = before
     resume = find_resume(run_dir, ckpt_path)
     stretched = None
     if resume:
