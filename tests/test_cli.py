@@ -124,9 +124,11 @@ def test_unknown_or_mistyped_override_is_exit_2_naming_the_key(runs, capsys, arg
         assert main(command + argv) == 2
         out = capsys.readouterr()
         assert needle in out.err and out.out == "", (command, out.err)
-        if "has type" in needle:  # the command line's value, not the recipe file's
+        if "has type" in needle or "did you mean" in needle:  # the command line's key or value, not the file's
             assert out.err.startswith(f"attnlab {command[0]}: error: override --")
             assert str(runs["recipe"]) not in out.err
+        if needle == "batchnorm":  # a value out of range: the file, with the override that set it
+            assert f"{runs['recipe']} with --model.norm batchnorm: " in out.err
 
 
 def test_an_unknown_key_in_the_recipe_file_names_the_file_and_key(runs, tmp_path, capsys):

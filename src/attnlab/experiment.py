@@ -272,11 +272,16 @@ def load_experiment(paths: str | Path | Sequence[str | Path], overrides: dict[st
             raise ConfigError(f"experiment file not found: {path}")
         raw = merge(raw, load_raw(path, default_name=i == 0), str(path))
     for dotted, value in (overrides or {}).items():
+        apply_override(raw, dotted, value)  # an unknown section is refused there
         section, _, key = dotted.partition(".")
-        if known_type(dotted) is not None:  # a wrong type named as given, not as the recipe file's
-            check_mapping(SECTIONS[section], {key: value}, f"override --{section}")
-        apply_override(raw, dotted, value)
-    return from_raw(raw, " + ".join(str(p) for p in paths))
+        try:  # an unknown key or a wrong type named as given on the command line, not as the recipe file's
+            check_mapping(SECTIONS[section], {key: value}, section)
+        except ConfigError as e:
+            raise ConfigError(f"override --{dotted}: {e}") from None
+    source = " + ".join(str(p) for p in paths)
+    if overrides:  # a value out of range, or two fields at odds: the recipe, the overrides or both are at fault
+        source += " with " + " ".join(f"--{k} {v}" for k, v in overrides.items())
+    return from_raw(raw, source)
 
 
 def from_raw(raw: dict[str, Any], source: str = "<dict>") -> Experiment:
