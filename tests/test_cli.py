@@ -550,7 +550,7 @@ def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs
     marian = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mt").eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "mt")
     module, tok = load_module(mt_ckpt), Tokenizer.load(runs["mt"] / "tokenizer")  # the same corpus and settings
-    lines, outputs = [s for s, _ in make_pairs(12, seed=5)], set()
+    lines, outputs, lengths = [s for s, _ in make_pairs(12, seed=5)], set(), {}
     for line in lines:
         src = torch.tensor([tok.encode(line) + [tok.eos_id]])
         [ours] = module.translate_ids(src, beam=1)
@@ -560,6 +560,12 @@ def test_trained_runs_export_to_hf_and_greedy_generate_gives_attnlab_tokens(runs
         assert theirs[0] == tok.bos_id and theirs[1:] == ours + [tok.eos_id][: len(theirs) - 1 - len(ours)], line
         assert hf_tok.decode(theirs, skip_special_tokens=True) == tok.decode(ours)
         outputs.add(tuple(ours))
+        with torch.no_grad():  # as a Hugging Face user calls it: greedy up to the position table (not 20 tokens)
+            default = marian.generate(src)[0].tolist()
+        ended = len(ours) < limit  # attnlab's output ended by EOS within its limit: the same tokens
+        assert default == theirs if ended else default[: len(theirs)] == theirs and len(default) > 21, line
+        lengths[ended] = lengths.get(ended, 0) + 1
+    assert lengths.get(False, 0) > 0, "no output ran past HF's default 20 tokens"
     assert len(outputs) > 3  # different inputs, different outputs: the comparison is not between empty lines
 
     assert main(["export", "--ckpt", str(lm_ckpt), "--out", str(tmp_path / "lm")]) == 0

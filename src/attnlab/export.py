@@ -123,9 +123,11 @@ def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     ids = {"bos_token_id": EOS_ID if lm else BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     config = {"architectures": [name], **config, **ids, "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    # generate() with no arguments: attnlab generate's defaults for length (greedy, as HF's default)
+    # generate() with no arguments: greedy, as HF's default and attnlab's for an LM, up to attnlab generate's default
+    # length (LM), or up to the position table's end (translation: attnlab's max_len_a * source length + max_len_b
+    # has no HF counterpart; without it generate() stops at its 20-token default)
     generation = {**ids, **({"max_new_tokens": GENERATE_MAX_NEW_TOKENS} if lm else
-                            {"decoder_start_token_id": BOS_ID})}
+                            {"decoder_start_token_id": BOS_ID, "max_length": cfg.max_seq_len})}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
     tokenizer.save(out)
     encode_as_trained(out, lm)  # sources end with </s>; an LM's prompt starts after one, as attnlab generate's
