@@ -117,6 +117,8 @@ def test_fit_overrides_reach_the_run_and_validate_test_report_scores(runs, capsy
     (["--model.norm", "--trainer.max_steps", "3"], "--model.norm needs a value"),
     (["stray"], "unexpected argument 'stray'"),
     (["--decode.beem=4"], "decode.beem"),
+    (["--optim.lr", "1e400"], "optim.lr=inf must be a finite number"),
+    (["--model.dropout", ".nan"], "model.dropout=nan must be a finite number"),
 ])
 def test_unknown_or_mistyped_override_is_exit_2_naming_the_key(runs, capsys, argv, needle):
     for command in (["fit", "-c", str(runs["recipe"])],

@@ -1,6 +1,7 @@
 """ModelConfig: validation names the fields at fault, YAML round-trips exactly, strict dict loading."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -117,6 +118,15 @@ def test_unknown_and_mistyped_keys_are_rejected_with_the_key_path():
         ModelConfig.from_dict({"qk_norm": 1})
     with pytest.raises(ConfigError, match=r"model\.dropout=True"):
         ModelConfig(dropout=True)
+
+
+def test_a_float_that_is_not_finite_is_refused_naming_the_file_and_key(tmp_path):
+    """YAML reads .inf, .nan and 1e400 as floats; lr > 0 and the like would let infinity through."""
+    recipe = tmp_path / "r.yaml"
+    for text, shown in ((".inf", "inf"), ("1e400", "inf"), (".nan", "nan"), ("-.inf", "-inf")):
+        recipe.write_text(f"name: r\nmodel: {{}}\noptim: {{lr: {text}}}\ndata: {{corpus: x.tsv}}\n", encoding="utf-8")
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(recipe))}: optim\.lr={shown} must be a finite number"):
+            load_experiment(recipe)
 
 
 def test_floats_in_exponent_notation_are_floats_in_recipes_and_overrides(tmp_path):

@@ -294,6 +294,8 @@ def check_mapping(cls: type, d: dict[str, Any], path: str) -> None:
     for k, v in d.items():
         if not type_ok(v, hints_t[k]):
             raise ConfigError(f"{path}.{k}={v!r} has type {type(v).__name__}, expected {type_name(hints_t[k])}")
+        if isinstance(v, float) and not math.isfinite(v):  # YAML's .inf, .nan, 1e400: no field means either
+            raise ConfigError(f"{path}.{k}={v!r} must be a finite number")
 
 
 @functools.cache
