@@ -247,6 +247,14 @@ def test_a_checkpoint_alone_translates_and_an_old_one_needs_its_tokenizer_folder
     assert "carries no tokenizer" in err and str(alone.parent / "tokenizer") in err
 
 
+def test_average_into_a_folder_is_refused_before_reading(runs, tmp_path, capsys):
+    ckpt = str(runs["mt"] / "checkpoints" / "last.ckpt")
+    assert main(["average", "--ckpts", ckpt, ckpt, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is a folder: give the file to write ({tmp_path / 'averaged.ckpt'})" in err
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind either
+
+
 def test_unreadable_or_foreign_checkpoints_are_exit_2(runs, tmp_path, capsys):
     last = runs["mt"] / "checkpoints" / "last.ckpt"
     truncated = tmp_path / "truncated.ckpt"
@@ -254,7 +262,8 @@ def test_unreadable_or_foreign_checkpoints_are_exit_2(runs, tmp_path, capsys):
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"lr": 0.1}}, foreign)
     for path, needle in ((truncated, "not a readable checkpoint"), (foreign, "not an attnlab checkpoint"),
-                         (tmp_path / "absent.ckpt", "checkpoint not found")):
+                         (tmp_path / "absent.ckpt", "checkpoint not found"),
+                         (runs["mt"], "is a folder; a checkpoint is a file")):
         for argv in (["translate", "--ckpt", str(path)], ["generate", "--ckpt", str(path)],
                      ["validate", "-c", str(runs["recipe"]), "--ckpt", str(path)]):
             assert main(argv) == 2, argv

@@ -120,6 +120,8 @@ def read(path: str | Path) -> dict[str, Any]:
     """Any checkpoint dict (a Lightning checkpoint or a plain state dict) with weights-only unpickling; a missing,
     truncated or foreign file is a ValueError / FileNotFoundError naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; a checkpoint is a file (a run's are its checkpoints/*.ckpt)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:

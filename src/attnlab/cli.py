@@ -300,6 +300,8 @@ def cmd_average(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if not paths:
         raise FileNotFoundError(f"no checkpoints to average in {args.run_dir}/checkpoints")
     out = args.out or str(Path(paths[-1]).parent / f"averaged_last{len(paths)}.ckpt")
+    if Path(out).is_dir():
+        raise IsADirectoryError(f"--out {out} is a folder: give the file to write ({Path(out) / 'averaged.ckpt'})")
     average_checkpoints(paths, out)
     print(f"averaged {len(paths)} checkpoints -> {out}")
     for p in paths:
