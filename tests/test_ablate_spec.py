@@ -255,6 +255,55 @@ def test_metric_must_be_logged_by_the_task(tmp_path):
         load_spec(path)
 
 
+@pytest.mark.parametrize("base, body, needles", [
+    ("tiny.yaml", "metric: val/lsos\n", ["x.yaml: metric: val/lsos is never logged by a translation trial",
+                                          "val/loss", "val/bleu", "train/loss"]),
+    ("tiny.yaml", "metric: test/loss\n", ["metric: test/loss is never logged", "final/test_loss"]),
+    ("tiny.yaml", "columns: [metric, {acc: val/mlm_acc}]\n", ["columns[1] (val/mlm_acc)", "never logged"]),
+    ("tiny.yaml", "columns: [metric, train/lr]\n", ["columns[1] (train/lr)", "never logged"]),  # not kept
+    ("mlm_demo.yaml", "metric: val/bleu\n", ["val/bleu is scored for translation experiments only"]),
+])
+def test_a_curve_no_trial_logs_is_a_load_error(tmp_path, base, body, needles):
+    """A typo in a curve's name failed every trial after it trained to the end ("val/lsos was never logged")."""
+    path = layout(tmp_path, body="")
+    path.write_text(f"base: ../experiments/{base}\n{body}axes: {{model.norm: [rmsnorm]}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_spec(path)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("base, metric, columns", [
+    ("tiny.yaml", "val/bleu", "[metric, val/chrf, val/ppl, train/loss]"),
+    ("tiny.yaml", "train/lr", "[metric]"),  # logged, and kept as the metric
+    ("mlm_demo.yaml", "val/mlm_acc", "[metric, val/loss]"),
+    ("lm_demo.yaml", "train/loss", "[metric, val/ppl, final/test_ppl]"),
+])
+def test_every_logged_curve_is_a_valid_metric(tmp_path, base, metric, columns):
+    path = layout(tmp_path, body="")
+    path.write_text(f"base: ../experiments/{base}\nmetric: {metric}\ncolumns: {columns}\n"
+                    "axes: {model.norm: [rmsnorm]}\n")
+    assert load_spec(path).metric == metric
+
+
+def test_the_declared_curves_are_the_logged_ones():
+    """The names the ablation files are checked against are those the LightningModules log (self.log calls)."""
+    import re
+
+    from attnlab.lit import TASK_MODULES
+    from attnlab.lit.base import BaseModule
+
+    lit = ROOT / "src" / "attnlab" / "lit"
+    for path, cls in (("base.py", BaseModule), ("seq2seq.py", TASK_MODULES["translation"]),
+                      ("lm.py", TASK_MODULES["lm"]), ("mlm.py", TASK_MODULES["mlm"])):
+        text = (lit / path).read_text()
+        for stage, name in re.findall(r'self\.log\(f?"(train|\{stage\})/(\w+)"', text):
+            assert name in (cls.TRAIN_CURVES if stage == "train" else cls.EVAL_CURVES), (path, stage, name)
+        for stage in re.findall(r'log_eval_loss\("(\w+)"\)', text):
+            assert stage in ("val", "test"), (path, stage)
+    assert "val/loss" in TASK_MODULES["lm"].curves() and "val/mlm_acc" in TASK_MODULES["mlm"].curves()
+
+
 def test_search_spec(tmp_path):
     spec = spec_of(tmp_path, "search: optuna\nn_trials: 6\ndistributions:\n"
                              "  optim.lr: {type: log, low: 1e-4, high: 1e-2}\n"

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..experiment import SECTIONS
+from ..lit import TASK_MODULES
 
 FINAL_METRIC = re.compile(r"^final/(valid|test)_(loss|ppl|bleu|chrf)$")  # what a final evaluation stores
 # table columns that are neither a metric nor a config attribute, with their headers
@@ -36,19 +37,39 @@ class Column:
 DEFAULT_TABLE = tuple(Column(BUILT_IN_COLUMNS[c], c) for c in DEFAULT_COLUMNS)
 
 
-def check_metric(name: str, final_eval: bool, where: str) -> None:
-    """final/<valid|test>_<loss|ppl|bleu|chrf> (needs final_eval), or a logged curve (val/..., test/...)."""
+def kept_curve(name: str) -> bool:
+    """Whether a trial keeps this logged curve among its results (results.collect), for tables and plots."""
+    return name.startswith(("val/", "test/")) or name == "train/loss"
+
+
+def check_metric(name: str, final_eval: bool, where: str, task: str | None = None, kept: bool = False) -> None:
+    """final/<valid|test>_<loss|ppl|bleu|chrf> (needs final_eval), or a curve a fit of `task` logs (the task's
+    LightningModule's curves(): val/loss, train/loss, ...; with `kept`, only those a trial keeps: a column)."""
     if name.startswith("final/"):
         need(FINAL_METRIC.match(name) is not None,
              f"{where}: {name} is not a final score; expected final/<valid|test>_<loss|ppl|bleu|chrf>")
         need(final_eval, f"{where}: {name} needs the final evaluation; remove final_eval: false")
-    else:
-        need(name.count("/") == 1 and all(name.split("/")),
-             f"{where}: {name!r} is neither final/<split>_<score> nor a logged curve such as val/loss")
+        return
+    need(name.count("/") == 1 and all(name.split("/")),
+         f"{where}: {name!r} is neither final/<split>_<score> nor a logged curve such as val/loss")
+    if task not in TASK_MODULES:
+        return
+    logged = [c for c in TASK_MODULES[task].curves() if kept_curve(c) or not kept]
+    if name in logged:
+        return
+    if task != "translation" and name in TASK_MODULES["translation"].curves():
+        raise ConfigError(f"{where}: {name} is scored for translation experiments only; this base trains {task}")
+    split, _, score = name.partition("/")
+    hint = (f"; the test split is scored by the final evaluation: final/test_{score}" if split == "test" and
+            f"val/{score}" in logged and score in ("loss", "ppl", "bleu", "chrf") else "")
+    raise ConfigError(f"{where}: {name} is never logged by a {task} trial{hint}; expected "
+                      f"final/<valid|test>_<loss|ppl|bleu|chrf> or one of {', '.join(logged)}")
 
 
-def parse_columns(items: Any, final_eval: bool, src: str) -> tuple[Column, ...]:
-    """`columns:` entries: a name (params, final/test_bleu, model.d_ff) or {header: name}."""
+def parse_columns(items: Any, final_eval: bool, src: str, task: str | None = None, metric: str = ""
+                  ) -> tuple[Column, ...]:
+    """`columns:` entries: a name (params, final/test_bleu, model.d_ff) or {header: name}; `metric`: the study's
+    (a curve a trial logs but keeps only as its metric, such as train/lr, is a valid column when it is that)."""
     need(isinstance(items, list) and items, f"{src}: columns must be a non-empty list")
     out = []
     for i, item in enumerate(items):
@@ -61,7 +82,7 @@ def parse_columns(items: Any, final_eval: bool, src: str) -> tuple[Column, ...]:
         column = Column(str(label), str(source))
         where = f"{src}: columns[{i}] ({source})"
         if column.kind == "metric":
-            check_metric(column.source, final_eval, where)
+            check_metric(column.source, final_eval, where, task, kept=column.source != metric)
         elif column.kind == "config":
             section, _, attr = column.source.partition(".")
             need(section in SECTIONS and attr and not callable(getattr(SECTIONS[section], attr, len)),

@@ -12,6 +12,7 @@ from ..experiment import Experiment
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
 from .budget import StepCost, step_cost
+from .columns import kept_curve
 
 
 def collect(run_dir: Path, exp: Experiment, metric: str, cost: StepCost | None = None) -> dict[str, Any]:
@@ -42,7 +43,6 @@ def collect(run_dir: Path, exp: Experiment, metric: str, cost: StepCost | None =
         "steps": steps if isinstance(steps, int) else None,
         "tokens": curves["train/tokens"][-1][1] if curves.get("train/tokens") else None,
         "flops_per_token": cost.flops_per_token,
-        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items()
-                   if k.startswith(("val/", "test/")) or k == "train/loss"},
+        "curves": {k: [[s, v] for s, v in c] for k, c in curves.items() if kept_curve(k)},
         "config": config,
     }

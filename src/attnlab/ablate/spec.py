@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, load_yaml
-from ..experiment import Experiment, apply_override, from_raw, load_raw
+from ..experiment import TASKS, Experiment, apply_override, from_raw, load_raw
 from .columns import (
     DEFAULT_COLUMNS,
     DEFAULT_TABLE,
@@ -271,7 +271,8 @@ def load_spec(path: str | Path) -> AblationSpec:
           f"{src}: metric: expected {{name: val/bleu, direction: max}}, got {metric!r}")
     direction = metric.get("direction", "max" if str(metric["name"]).endswith(("bleu", "chrf")) else "min")
     _need(direction in ("max", "min"), f"{src}: metric.direction={direction!r} is not one of: max, min")
-    check_metric(str(metric["name"]), final_eval, f"{src}: metric")
+    task = TASKS.get(arch)  # what its trials log (a base without a task fails below, naming model.arch)
+    check_metric(str(metric["name"]), final_eval, f"{src}: metric", task)
 
     seeds = raw.get("seeds", [1])
     if isinstance(seeds, int) and not isinstance(seeds, bool):
@@ -339,7 +340,7 @@ def load_spec(path: str | Path) -> AblationSpec:
     default_columns = list(DEFAULT_COLUMNS)
     if translation and str(metric["name"]) == "final/test_bleu":
         default_columns.insert(1, {"chrF": "final/test_chrf"})
-    columns = parse_columns(raw.get("columns", default_columns), final_eval, src)
+    columns = parse_columns(raw.get("columns", default_columns), final_eval, src, task, str(metric["name"]))
     significance = parse_significance(raw.get("significance"), src)
     for name in [str(metric["name"]), *(c.source for c in columns if c.kind == "metric")]:
         _need(arch == "encoder_decoder" or not name.endswith(("bleu", "chrf")),

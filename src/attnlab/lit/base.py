@@ -28,6 +28,16 @@ class BaseModule(L.LightningModule):
     """Builds the network from plain config dicts (kept in the checkpoint's hyper-parameters, so a checkpoint
     loads with weights-only unpickling and rebuilds the exact model)."""
 
+    # The curves it logs to metrics.csv: train/<name> every trainer.log_every steps, val/<name> at each validation
+    # (test/<name> only under trainer.test, which fit does not run). An ablation's metric is checked against them.
+    TRAIN_CURVES: tuple[str, ...] = ("loss", "nll", "lr", "tokens_per_s", "tokens", "grad_norm")
+    EVAL_CURVES: tuple[str, ...] = ("loss", "ppl")
+
+    @classmethod
+    def curves(cls) -> tuple[str, ...]:
+        """Every curve a fit with this module logs: train/loss, ..., val/loss, ..."""
+        return tuple(f"train/{n}" for n in cls.TRAIN_CURVES) + tuple(f"val/{n}" for n in cls.EVAL_CURVES)
+
     def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()

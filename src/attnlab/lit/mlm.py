@@ -39,6 +39,8 @@ class MLMModule(BaseModule):
     generator seeded by `seed` and the batch index, so a validation pass gives the same numbers every time.
     Logs `val/loss` and `val/ppl` (cross-entropy over the masked positions) and `val/mlm_acc` (their accuracy)."""
 
+    EVAL_CURVES = (*BaseModule.EVAL_CURVES, "mlm_acc")
+
     def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0, mask_id: int = MASK_ID,
                  first_token: int = MASK_ID + 1, seed: int = 1) -> None:
         super().__init__(model, optim, compile, loss_chunk)

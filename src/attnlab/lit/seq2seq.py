@@ -27,6 +27,8 @@ def gather_strings(items: list[str], world_size: int) -> list[str]:
 class Seq2SeqModule(BaseModule):
     """Encoder-decoder translation. Batches: src (B, S), tgt_in (B, T) = BOS + y, tgt_out (B, T) = y + EOS."""
 
+    EVAL_CURVES = (*BaseModule.EVAL_CURVES, "bleu", "chrf")  # bleu, chrf: of the decode.val_sentences decoded
+
     def __init__(self, model: dict, optim: dict, decode: dict | None = None, compile: bool = False,
                  bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0, tgt_lang: str = "") -> None:
         super().__init__(model, optim, compile, loss_chunk)
