@@ -291,3 +291,43 @@ def test_a_worker_dead_at_a_chosen_moment_loses_nothing_and_fits_once(moment, tm
     assert len(done) == 1 and done[0].user_attrs["fit_reused"] == (fitted == 1), [t.user_attrs for t in trials]
     assert len(read_calls(study_dir)[1]) == 1, "the point's fit ran to its end twice"
     assert Path(h.url).read_bytes().endswith(b"\n")
+
+
+# ---------------------------------------------------------------------------------------------- user errors
+GRID_2x2 = """\
+seeds: [1]
+axes:
+  model.norm: [layernorm, rmsnorm]
+  model.ffn: [gelu, swiglu]
+"""
+
+
+def test_a_storage_or_pair_that_cannot_work_is_one_line_naming_it(tmp_path, monkeypatch, capsys, worker_env):  # noqa: F811
+    """A relative SQLite path, a server that refuses, a driver not installed, --pair A A: one line each, naming the
+    URL or argument and what to do (they were tracebacks), and the study is as it was."""
+    from attnlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    spec_path = write_study(tmp_path, GRID_2x2)
+    study_dir = tmp_path / "study"
+    common = ["--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), "--dir", str(study_dir), *common]) == 0
+    journal = (study_dir / "journal.log").read_bytes()
+    capsys.readouterr()
+    cases = [
+        (["move", str(study_dir), "--to", "sqlite:///nowhere/toy.db"], ["sqlite:///nowhere/toy.db", "sqlite:////"]),
+        (["run", str(spec_path), "--dir", str(study_dir), "--storage", "postgresql://u:secret@127.0.0.1:1/db", *common],
+         ["postgresql://u:***@127.0.0.1:1/db", "cannot connect", "--storage"]),
+        (["status", str(spec_path), "--dir", str(study_dir), "--storage", "mysql://u@127.0.0.1:1/db"],
+         ["mysql://u@127.0.0.1:1/db", "--storage"]),
+        (["effects", str(spec_path), "--dir", str(study_dir), "--pair", "model.ffn", "model.ffn"],
+         ["--pair model.ffn model.ffn", "two different factors"]),
+    ]
+    for argv, needles in cases:
+        assert main(["ablate", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err and "secret" not in err, err
+        for needle in needles:
+            assert needle in err, (needle, err)
+    assert (study_dir / "journal.log").read_bytes() == journal and not (tmp_path / "nowhere").exists()
+    assert connect(load_spec(spec_path), study_dir).url == str(study_dir / "journal.log")

@@ -157,6 +157,9 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
     pair = pair or (tuple(names[:2]) if len(names) >= 2 else None)
     if pair is not None and any(p not in names for p in pair):
         raise ValueError(f"--pair {' '.join(pair)}: the factors of {h.spec.name} are {', '.join(names)}")
+    if pair is not None and pair[0] == pair[1]:
+        raise ValueError(f"--pair {' '.join(pair)}: an interaction needs two different factors; "
+                         f"the factors of {h.spec.name} are {', '.join(names)}")
     d = digits(rows[0].mean)
     grid = [levels_of(v.levels) for v in h.spec.variants()]
     main = main_effects(table, grid)

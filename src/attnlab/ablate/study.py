@@ -156,15 +156,42 @@ def open_storage(url: str) -> BaseStorage:
         path = Path(url).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(WholeJournalFile(str(path), lock_obj=OwnedLock(f"{path}.lock")))
-    if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
-        storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-    else:
-        if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):
-            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")  # the driver of the `postgres` extra
-        storage = RDBStorage(url)
+    try:
+        if url.startswith("sqlite"):  # concurrent writers wait for SQLite's lock instead of failing at 5 s
+            storage = RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+        else:
+            driver_url = url
+            if url.startswith("postgresql://") and importlib.util.find_spec("psycopg"):
+                driver_url = "postgresql+psycopg://" + url.removeprefix("postgresql://")  # the `postgres` extra's
+            storage = RDBStorage(driver_url)
+    except (ImportError, sqlalchemy.exc.SQLAlchemyError, ValueError) as e:
+        raise ConfigError(storage_error(url, e)) from None
     if (faults.planned() or ("",))[0] == "db_commit":  # the kill-storm tests: die with a transaction open
         sqlalchemy.event.listen(storage.engine, "commit", lambda conn: faults.reached("db_commit"))
     return storage
+
+
+def storage_error(url: str, e: BaseException) -> str:
+    """One line for a storage that cannot be opened: the URL (without its password), why, and what to do."""
+    try:
+        shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        shown = url
+    cause = getattr(e, "orig", None) or e  # the driver's own error under SQLAlchemy's
+    why = " ".join(str(cause).split()) or type(cause).__name__
+    if isinstance(e, ImportError):
+        inner = e.__cause__ if isinstance(e.__cause__, ImportError) else e  # optuna's wraps the driver's
+        return (f"storage {shown}: its database driver is not installed ({inner}); install it (PostgreSQL: pip "
+                "install 'attnlab[postgres]'; MySQL: pip install mysqlclient), or give --storage a journal file "
+                "path or an sqlite:/// URL")
+    if url.startswith("sqlite"):
+        database = sqlalchemy.engine.make_url(url).database or ""
+        where = Path(database).resolve()
+        hint = "" if Path(database).is_absolute() else \
+            f" (three slashes: a path relative to {Path.cwd()}; an absolute path takes four: sqlite:////{database})"
+        return f"storage {shown}: cannot open the SQLite file {where}{hint}: {why}"
+    return (f"storage {shown}: cannot connect ({why[:300]}); check that the database server runs and the URL's host, "
+            "port, user and database, or give --storage another storage")
 
 
 def storage_file(url: str) -> Path | None:
