@@ -108,6 +108,22 @@ def test_a_cell_with_no_finished_trial_is_listed_and_not_estimated_in_the_intera
     assert missing_cells(h, table) == ["A=a1 B=b1 (seed 1)", "A=a1 B=b1 (seed 2)", "A=a1 B=b1 (seed 3)"]
 
 
+def test_a_mean_not_estimable_says_why():
+    """ffn=relu had a finished trial, yet its mean printed "not estimable (no finished trial there)": the reason
+    was another factor's value with no finished trial, which the mean averages over."""
+    rng = np.random.default_rng(3)
+    no_b1 = [(g, v) for g, v in two_by_two(rng, 0.1, {("a0", "b1"): {1, 2, 3}, ("a1", "b1"): {1, 2, 3}}) if v]
+    a0 = main_effects(no_b1, GRID)["A"][0]
+    assert np.isnan(a0.mean) and a0.n_seeds == 3
+    text = effects.fmt_ci(a0.mean, a0.low, a0.high, 2, why=a0.why)
+    assert "no finished trial there" not in text and "B=b1" in text and "3 seed(s) finished here" in text, text
+    diagonal = [(g, v) for g, v in two_by_two(rng, 0.1, {}) if g in (GRID[0], GRID[3])]  # a0 x b0, a1 x b1 only
+    a1 = main_effects(diagonal, GRID)["A"][1]
+    assert np.isnan(a1.mean) and "cannot separate it from the other factors" in a1.why
+    empty = {c.levels: c for c in interaction(no_b1, GRID, "A", "B")}[("a0", "b1")]
+    assert np.isnan(empty.mean) and empty.why == "no finished trial with A=a0, B=b1"
+
+
 def test_compare_with_a_study_whose_variants_all_tie_prints_why_there_is_no_p_value(monkeypatch):
     """6 shared variants; study a scores every variant 0 on every seed (a budget too short to score). tau and rho
     are undefined, so no p-value and the reason is printed (the exact permutation count said p = 0 here)."""

@@ -50,6 +50,7 @@ class Effect:
     n_seeds: int  # seeds with a finished trial at these values
     vs_first: tuple[float, float, float] | None = None  # difference to the factor's first value, 95% CI
     interaction: tuple[float, float, float] | None = None  # two-way cells only: the term and its 95% CI
+    why: str = ""  # why the mean is not estimable (NaN)
 
 
 def level_table(h: StudyHandle, rows: list[Row]) -> list[tuple[Levels, dict[int, float]]]:
@@ -111,10 +112,23 @@ class EffectModel:
     def effect(self, where: Levels, first: Levels | None = None) -> Effect:
         est = self.fit.estimate(self.mean_of(where))
         n = len({s for lv, values in self.table if all(lv[k] == v for k, v in where.items()) for s in values})
-        e = Effect(tuple(where.values()), *(est or (math.nan,) * 3), n)
+        e = Effect(tuple(where.values()), *(est or (math.nan,) * 3), n, why="" if est else self.why_not(where, n))
         if first is not None and first != where:
             e.vs_first = self.fit.estimate(self.mean_of(where) - self.mean_of(first))
         return e
+
+
+    def why_not(self, where: Levels, n: int) -> str:
+        """Why the mean at `where` is not estimable: no finished trial there, or none at a value of another factor
+        that the mean averages over, or the finished trials confound it with the other factors."""
+        if n == 0:
+            return f"no finished trial with {', '.join(f'{k}={v}' for k, v in where.items())}"
+        unseen = [f"{f}={v}" for f in self.names if f not in where for v in self.values[f]
+                  if not any(lv[f] == v and values for lv, values in self.table)]
+        if unseen:
+            return (f"{n} seed(s) finished here, but no trial with {', '.join(unseen)} finished, and the mean "
+                    "averages over it")
+        return f"{n} seed(s) finished here, but the finished trials cannot separate it from the other factors"
 
 
 def main_effects(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels]) -> dict[str, list[Effect]]:
@@ -136,9 +150,9 @@ def interaction(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels]
     return out
 
 
-def fmt_ci(value: float, low: float, high: float, d: int, sign: str = "") -> str:
+def fmt_ci(value: float, low: float, high: float, d: int, sign: str = "", why: str = "") -> str:
     if math.isnan(value):
-        return "not estimable (no finished trial there)"
+        return f"not estimable ({why or 'the finished trials cannot tell it'})"
     ci = "(no residual df: no CI)" if math.isnan(low) else f"[{low:{sign}.{d}f}, {high:{sign}.{d}f}]"
     return f"{value:{sign}.{d}f} {ci}"
 
@@ -175,14 +189,14 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
         width = max(len(e.levels[0]) for e in effects)
         for e in effects:
             gap = f"  ({fmt_ci(*e.vs_first, d, '+')} vs {effects[0].levels[0]})" if e.vs_first else ""
-            lines.append(f"  {e.levels[0]:<{width}}  {fmt_ci(e.mean, e.low, e.high, d)}{gap}")
+            lines.append(f"  {e.levels[0]:<{width}}  {fmt_ci(e.mean, e.low, e.high, d, why=e.why)}{gap}")
     cells = interaction(table, grid, *pair) if pair else []
     if pair:
         lines.append(f"\ninteraction {pair[0]} x {pair[1]}: mean [95% CI]; interaction term = cell - row mean - "
                      "column mean + grand mean [95% CI]")
         for c in cells:
             term = f"  interaction {fmt_ci(*c.interaction, d, '+')}" if c.interaction else ""
-            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_ci(c.mean, c.low, c.high, d)}{term}")
+            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_ci(c.mean, c.low, c.high, d, why=c.why)}{term}")
     else:
         lines.append("\n(one factor: no interaction)")
     out_dir = Path(out_dir or h.dir)
