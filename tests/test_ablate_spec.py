@@ -193,6 +193,8 @@ def test_variants_list_combines_with_axes(tmp_path):
     ("seeds: [1, 1]\naxes: {model.norm: [rmsnorm]}\n", ["seeds"]),
     ("overrides: {model.colour: red}\naxes: {model.norm: [rmsnorm]}\n", ["overrides", "model.colour"]),
     ("variants:\n  - {name: a, model.n_heads: 5}\n", ["variants: 'a'", "model.n_heads=5"]),
+    ("overrides: {model.d_model: 63}\naxes: {model.norm: [rmsnorm]}\n",  # was reported against the base recipe
+     ["x.yaml: overrides.model.d_model: model.d_model=63", "not divisible", "(on the base recipe "]),
     ("variants:\n  - {name: a}\n  - {name: a, model.qk_norm: true}\n", ["two variants are named 'a'"]),
     ("", ["nothing varies"]),
     ("search: optuna\nn_trials: 4\ndistributions:\n  optim.lr: {type: float, low: 1.0, high: 0.1}\n",

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,10 @@ class AblationSpec:
         over = self.trial_overrides(variant_overrides, self.seeds[0] if seed is None else seed)
         for k, v in over.items():
             apply_override(raw, k, v)
-        exp = from_raw(raw, str(self.base))
+        try:
+            exp = from_raw(raw, str(self.base))
+        except ConfigError as e:
+            raise ConfigError(self._blame(str(e), variant_overrides)) from None
         horizon_unknown = "optim.max_steps" not in over and exp.optim.schedule in HORIZON_SCHEDULES
         if self.budget_time_min is not None and horizon_unknown:
             raise ConfigError(
@@ -222,6 +226,16 @@ class AblationSpec:
                 f"optim.max_steps={exp.optim.max_steps} would be a guess). Set optim.max_steps under overrides:, "
                 f"or give budget.steps, or use a schedule without a horizon (noam, inverse_sqrt, constant)")
         return exp
+
+    def _blame(self, msg: str, variant_overrides: dict[str, Any]) -> str:
+        """The error of a trial's config, against this file when a key it sets is named in it (overrides.<key>, or
+        the variant's key): the base recipe itself is at fault only when none is."""
+        body = msg.removeprefix(f"{self.base}: ")
+        named = [k for k in {**self.overrides, **variant_overrides} if re.search(rf"(?<![\w.]){re.escape(k)}\b", body)]
+        if not named:
+            return msg
+        keys = ", ".join(k if k in variant_overrides else f"overrides.{k}" for k in named)
+        return f"{self.path}: {keys}: {body} (on the base recipe {self.base})"
 
     def to_dict(self) -> dict[str, Any]:
         """What a study stores about its spec (JSON), so status, tables and plots need no files."""
@@ -380,7 +394,8 @@ def check_spec(spec: AblationSpec) -> None:
                 try:
                     spec.experiment({d.key: v})
                 except ConfigError as e:
-                    raise ConfigError(f"{spec.path}: distributions.{d.key}: value {v!r} cannot run: {e}") from None
+                    why = str(e).removeprefix(f"{spec.path}: ")
+                    raise ConfigError(f"{spec.path}: distributions.{d.key}: value {v!r} cannot run: {why}") from None
         return
     errors: dict[str, str] = {}
     ok: set[str] = set()
@@ -390,7 +405,7 @@ def check_spec(spec: AblationSpec) -> None:
             ok.update(v.levels)
         except ConfigError as e:
             for level in v.levels:
-                errors.setdefault(level, str(e))
+                errors.setdefault(level, str(e).removeprefix(f"{spec.path}: "))
     for level, reason in errors.items():
         if level not in ok:
             key, _, value = level.partition("=")
