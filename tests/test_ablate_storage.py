@@ -331,3 +331,32 @@ def test_a_storage_or_pair_that_cannot_work_is_one_line_naming_it(tmp_path, monk
             assert needle in err, (needle, err)
     assert (study_dir / "journal.log").read_bytes() == journal and not (tmp_path / "nowhere").exists()
     assert connect(load_spec(spec_path), study_dir).url == str(study_dir / "journal.log")
+
+
+def test_a_study_folder_moved_as_a_whole_keeps_working(tmp_path, capsys, worker_env):  # noqa: F811
+    """study.yaml recorded its journal by an absolute path: after `mv` of the folder, `table` said "no study" at
+    the old place, and following its hint started the study again there. A journal in the folder is recorded
+    relative to it; an old record's absolute journal that is gone is looked for in the folder."""
+    from attnlab.cli import main
+
+    spec_path = write_study(tmp_path, GRID_2x2)
+    old = tmp_path / "runs" / "ablations" / "part2"
+    common = ["--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), "--dir", str(old), *common]) == 0
+    assert "storage: journal.log\n" in (old / "study.yaml").read_text()
+    for record in ("journal.log", str(old / "journal.log")):  # as recorded now, and by the former absolute path
+        moved = tmp_path / f"moved_{len(record)}"
+        text = (old / "study.yaml").read_text().replace("storage: journal.log", f"storage: {record}")
+        (old / "study.yaml").write_text(text)
+        old.rename(moved)
+        capsys.readouterr()
+        for sub in ("status", "table"):
+            assert main(["ablate", sub, str(moved)]) == 0, (record, sub, capsys.readouterr().err)
+        assert "4 points: 4 done" in capsys.readouterr().out
+        assert connect(load_spec(spec_path), moved).url == str(moved / "journal.log")
+        assert not old.exists()  # nothing made at the old place
+        moved.rename(old)
+    spec_path.rename(tmp_path / "elsewhere.yaml")
+    assert main(["ablate", "status", str(old)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(spec_path) in err and "give the ablation file" in err, err

@@ -80,12 +80,29 @@ def storage_url(study_dir: Path, storage: str | None = None) -> str:
     `ablate run` and `ablate submit`: a journal file works on one machine and on a shared file system alike."""
     recorded = study_dir / "study.yaml"
     if storage is None and recorded.is_file():
-        storage = str(load_yaml(recorded)["storage"])
+        return recorded_storage(study_dir, str(load_yaml(recorded)["storage"]))
     if storage is None:
         storage = str(study_dir / "journal.log")
     if "://" not in storage:  # a journal file: absolute, so the study directory's record holds anywhere
         return str(Path(storage.removeprefix("journal:")).resolve())
     return storage
+
+
+def recorded_storage(study_dir: Path, storage: str) -> str:
+    """The storage study.yaml records: a URL, or a journal file, relative to the study directory when it lies in it
+    (so the folder moved as a whole keeps it). A record of an absolute journal path that is gone, from before
+    records were relative, finds the journal of that name in the study directory: the folder was moved."""
+    if "://" in storage:
+        return storage
+    path = Path(storage.removeprefix("journal:"))
+    if not path.is_absolute():
+        return str((study_dir / path).resolve())
+    here = study_dir / path.name
+    if not path.exists() and here.is_file():
+        log.warning("%s records the journal %s, which is gone; using %s (the study folder was moved)",
+                    study_dir / "study.yaml", path, here)
+        return str(here.resolve())
+    return str(path.resolve())
 
 
 class OwnedLock:
@@ -262,7 +279,10 @@ def open_study(ref: str | Path, storage: str | None = None, study_dir: str | Pat
         if not info_path.exists():
             raise ConfigError(f"{ref} is not a study directory (no study.yaml); give the ablation file instead")
         info = load_yaml(info_path)
-        return connect(load_spec(info["spec"]), ref, storage or info["storage"])
+        if not Path(str(info["spec"])).is_file():
+            raise ConfigError(f"{info_path}: spec: the ablation file {info['spec']} is not there (moved?); give the "
+                              f"ablation file instead, with --dir {ref}")
+        return connect(load_spec(info["spec"]), ref, storage)  # storage None: the one study.yaml records
     spec = load_spec(ref)
     return connect(spec, Path(study_dir) if study_dir else default_study_dir(spec), storage)
 
@@ -290,7 +310,10 @@ def move_study(h: StudyHandle, to: str) -> StudyHandle:
 
 
 def write_record(spec: AblationSpec, study_dir: Path, url: str) -> None:
-    """study.yaml: the study's name, storage and ablation file, read by `status`, `table`, `submit` and workers."""
+    """study.yaml: the study's name, storage and ablation file, read by `status`, `table`, `submit` and workers; a
+    journal file in the study directory is recorded relative to it."""
+    if "://" not in url and Path(url).resolve().is_relative_to(study_dir.resolve()):
+        url = str(Path(url).resolve().relative_to(study_dir.resolve()))  # moves with the folder (recorded_storage)
     info = {"name": spec.name, "storage": url, "spec": str(spec.path)}
     tmp = study_dir / stamped(".study.yaml", ".tmp")  # replaced in one rename: a killed worker leaves no half file
     tmp.write_text("".join(f"{k}: {v}\n" for k, v in info.items()), encoding="utf-8")
