@@ -360,3 +360,27 @@ def test_a_study_folder_moved_as_a_whole_keeps_working(tmp_path, capsys, worker_
     assert main(["ablate", "status", str(old)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(spec_path) in err and "give the ablation file" in err, err
+
+
+def test_the_move_submit_suggests_after_a_move_to_sqlite_works(tmp_path, capsys, worker_env):  # noqa: F811
+    """run (journal) -> move to SQLite -> submit refused, suggesting `move ... --to <study>/journal.log`, which then
+    failed: the first move left that journal, holding the study, in place. The suggested command now works."""
+    import re
+
+    from attnlab.cli import main
+
+    spec_path = write_study(tmp_path, GRID_2x2)
+    study_dir = tmp_path / "study"
+    common = ["--fit", FAKE, "--heartbeat", "1", "--grace", "2", "--poll", "0.2"]
+    assert main(["ablate", "run", str(spec_path), "--dir", str(study_dir), *common]) == 0
+    assert main(["ablate", "move", str(study_dir), "--to", f"sqlite:///{tmp_path / 'toy.db'}"]) == 0
+    capsys.readouterr()
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--fit", FAKE]) == 2
+    suggested = re.search(r"attnlab ablate move (\S+) --to (\S+)", capsys.readouterr().err)
+    assert suggested is not None and suggested[2] != str(study_dir / "journal.log")
+    assert main(["ablate", "move", suggested[1], "--to", suggested[2]]) == 0, capsys.readouterr().err
+    assert connect(load_spec(spec_path), study_dir).url == suggested[2]
+    assert main(["ablate", "submit", str(spec_path), "--dir", str(study_dir), "--fit", FAKE]) == 0
+    assert "nothing to run" in capsys.readouterr().out
+    assert main(["ablate", "move", str(study_dir), "--to", str(study_dir / "journal.log")]) == 2
+    assert f"--to {study_dir / 'journal-3.log'}" in capsys.readouterr().err

@@ -301,12 +301,23 @@ def move_study(h: StudyHandle, to: str) -> StudyHandle:
     try:
         optuna.copy_study(from_study_name=h.spec.name, from_storage=h.storage, to_storage=open_storage(url))
     except optuna.exceptions.DuplicatedStudyError:
-        raise ConfigError(f"{url} already holds a study named {h.spec.name!r}") from None
+        raise ConfigError(f"{url} already holds a study named {h.spec.name!r} (a copy an earlier move left behind?); "
+                          f"move it to a new file instead, e.g. --to {free_journal(h.dir)}") from None
     moved = connect(h.spec, h.dir, url)
     if len(moved.study.get_trials(deepcopy=False)) != len(h.study.get_trials(deepcopy=False)):
         raise RuntimeError(f"copying {h.spec.name} from {h.url} to {url} lost trials")
     write_record(h.spec, h.dir, url)
     return moved
+
+
+def free_journal(study_dir: Path) -> Path:
+    """A journal file in the study directory that does not exist yet (journal.log, else journal-2.log, ...): where a
+    study can be moved back to, since a move leaves the storage it left as it was."""
+    n, path = 1, study_dir / "journal.log"
+    while path.exists():
+        n += 1
+        path = study_dir / f"journal-{n}.log"
+    return path
 
 
 def write_record(spec: AblationSpec, study_dir: Path, url: str) -> None:

@@ -38,7 +38,7 @@ from ..launch.slurm import (
 from .budget import budget_warnings
 from .runner import options_from, worker_command
 from .spec import load_spec
-from .study import connect, default_study_dir, prepare_study, status_counts, storage_url
+from .study import connect, default_study_dir, free_journal, prepare_study, status_counts, storage_url
 
 log = logging.getLogger("attnlab.ablate")
 
@@ -61,7 +61,7 @@ def submit_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"{spec.name} is kept in SQLite ({storage}), whose locking is not reliable on the network "
                           "file systems SLURM jobs share, and admits one writer at a time. Move it to a journal file "
                           f"(or a PostgreSQL URL) first: attnlab ablate move {shlex.quote(str(study_dir))} --to "
-                          f"{shlex.quote(str(study_dir / 'journal.log'))}")
+                          f"{shlex.quote(str(free_journal(study_dir)))}")
     varied = spec.varied_keys()
     for key in ("trainer.devices", "trainer.num_nodes"):
         if key in varied:
