@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import BaseDistribution
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
@@ -67,8 +67,9 @@ from ..rundir import fit_done
 from . import faults
 from .budget import StepCost, scale_flops, step_cost, warmup_warning, with_flops_budget
 from .devices import gpu_slices, trial_devices, visible_devices_label, visible_gpus
-from .factors import Variant, fmt, short_key
+from .factors import fmt, short_key
 from .final import DEFAULT_EVALUATE
+from .params import grid_params, optuna_distributions
 from .results import collect
 from .spec import AblationSpec
 from .study import (
@@ -209,36 +210,6 @@ def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
             log.warning("point %s was claimed by another worker first; trial %d recorded as duplicate",
                         p.variant.name, number)
         return None, busy
-
-
-def grid_params(spec: AblationSpec, variant: Variant) -> tuple[dict[str, Any], dict[str, BaseDistribution]]:
-    """A grid point's factor values as optuna params: each axis (its values the choices), for a variants: list
-    `variant` (the listed names the choices), for a scale: ladder `scale` (the sizes) and the lr: search."""
-    params: dict[str, Any] = {}
-    dists: dict[str, BaseDistribution] = {}
-    for level in variant.levels:
-        key, _, name = level.partition("=")
-        if key == "variant":
-            params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.variant_list])
-        elif key == "scale":
-            params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.sizes])
-        elif key == "optim.lr" and spec.lrs:
-            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(list(spec.lrs))
-        else:
-            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(spec.axes[key])
-    return params, dists
-
-
-def optuna_distributions(spec: AblationSpec) -> dict[str, BaseDistribution]:
-    out: dict[str, BaseDistribution] = {}
-    for d in spec.distributions:
-        if d.type == "categorical":
-            out[d.key] = CategoricalDistribution(list(d.choices))
-        elif d.type == "int":
-            out[d.key] = IntDistribution(int(d.low), int(d.high), log=d.log, step=int(d.step or 1))  # type: ignore[arg-type]
-        else:
-            out[d.key] = FloatDistribution(float(d.low), float(d.high), log=d.log, step=d.step)  # type: ignore[arg-type]
-    return out
 
 
 def _claim_search(h: StudyHandle, states: dict[str, PointState], grace_s: float) -> Claim | None:
