@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit
+from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit, stop_status, worker_signals
 from ..launch.slurm import add_slurm_args, slurm_status
 from .budget import budget_warnings
 from .devices import default_workers, trial_devices, visible_gpus
@@ -108,6 +109,17 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     return ab
 
 
+def stopped(e: BaseException, who: str) -> int:
+    """The exit status of `ablate run` or a worker stopped by SIGINT (130) or SIGTERM (143); any other exit
+    goes on."""
+    code = stop_status(e)
+    if code is None:
+        raise e
+    log.warning("%s stopped by %s: its trials are recorded as interrupted; the next `ablate run` resumes them", who,
+                signal.Signals(code - 128).name)
+    return code
+
+
 def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> int:
     if overrides:
         raise ConfigError(f"attnlab ablate takes no --section.key overrides (put them in the file): {list(overrides)}")
@@ -124,8 +136,12 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
             listed = visible_gpus() if gpus is None else gpus
             workers = default_workers(listed, trial_devices(spec) if listed else 0, args.workers_per_gpu)
             log.info("%d local worker(s) (--workers to choose)", workers)
-        counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, workers, options_from(args),
-                           gpus=gpus, workers_per_gpu=args.workers_per_gpu)
+        with worker_signals():  # SIGINT, SIGTERM: trials recorded as interrupted (passed on to the workers)
+            try:
+                counts = run_study(spec, Path(args.dir) if args.dir else None, args.storage, workers,
+                                   options_from(args), gpus=gpus, workers_per_gpu=args.workers_per_gpu)
+            except (KeyboardInterrupt, SystemExit) as e:
+                return stopped(e, "ablate run")
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
         return 0 if set(counts) <= {"done", "invalid"} else 1
@@ -137,9 +153,8 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         h = prepare_study(spec, Path(args.dir) if args.dir else None, args.storage)
         try:
             n = work(h, options_from(args), StepFit(args.fit, srun=True) if args.srun else None)
-        except KeyboardInterrupt as e:
-            logging.getLogger("attnlab.ablate").warning("worker interrupted (%s)", e or "Ctrl-C")
-            return 130
+        except (KeyboardInterrupt, SystemExit) as e:
+            return stopped(e, "worker")
         logging.getLogger("attnlab.ablate").info("worker done: %d trial(s)", n)
         return 0
     if sub == "move":

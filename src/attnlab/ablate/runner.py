@@ -27,7 +27,9 @@ when it reports: its result is discarded.
 
 A trial whose config cannot run is recorded as FAIL with status=invalid and the reason, never retried. A
 trial that raises is FAIL with status=error, the error and the traceback tail, and is tried again while
-the point has fewer than 1 + retries failed (error or lost) attempts.
+the point has fewer than 1 + retries failed (error or lost) attempts. A trial whose worker is stopped by SIGINT
+or SIGTERM (`ablate run`, `ablate worker`, a SLURM job requeued or cancelled) is FAIL with status=interrupted: no
+failed attempt, so the next run resumes it from its newest checkpoint.
 
 A finished fit is then evaluated as its recipe defines it (final.py, unless the file says final_eval: false), and
 the trial stores what the tables show: the final scores, its curves (every val/ one and train/loss), parameters,
@@ -41,6 +43,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -61,8 +64,17 @@ from optuna.trial import TrialState
 from ..checkpoints import latest_checkpoint
 from ..config import ConfigError
 from ..experiment import Experiment
-from ..launch.job import DEFAULT_FIT, FitFn, job_identity, kill_steps, local_fit, resolve_fit
-from ..leftovers import owner
+from ..launch.job import (
+    DEFAULT_FIT,
+    FitFn,
+    job_identity,
+    kill_steps,
+    local_fit,
+    resolve_fit,
+    stop_signal,
+    stop_status,
+)
+from ..leftovers import owner, owner_alive
 from ..rundir import fit_done
 from . import faults
 from .budget import StepCost, scale_flops, step_cost, warmup_warning, with_flops_budget
@@ -126,13 +138,16 @@ def fail_stale(h: StudyHandle, grace_s: float) -> int:
     now, n = time.time(), 0
     for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if trial_status(t, now, grace_s) == STALE:
+            worker, age = t.user_attrs.get("worker"), now - float(t.user_attrs.get("heartbeat", 0))
+            why = f"its worker {worker} is gone" if owner_alive(worker) is False else \
+                f"its worker {worker} sent no heartbeat for {age:.0f} s"
             try:
                 h.storage.set_trial_user_attr(t._trial_id, "lost_at", now)
+                h.storage.set_trial_user_attr(t._trial_id, "reason", f"lost: {why}")
                 h.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 n += 1
-                log.warning("trial %d (%s) lost its worker %s: last heartbeat %.0f s ago", t.number,
-                            t.user_attrs.get("variant"), t.user_attrs.get("worker"),
-                            now - float(t.user_attrs.get("heartbeat", 0)))
+                log.warning("trial %d (%s) lost: %s (last heartbeat %.0f s ago)", t.number, t.user_attrs.get("variant"),
+                            why, age)
             except UpdateFinishedTrialError:
                 pass  # its worker reported after all, or another worker failed it first
     return n
@@ -162,7 +177,13 @@ def fail_requeued(h: StudyHandle) -> None:
     job = job_identity()
     for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if job and job[1] else []:
         if t.user_attrs.get("slurm_job") == job[0] and int(t.user_attrs.get("slurm_restart", 0)) < job[1]:
-            _finish(h, t._trial_id, TrialState.FAIL, {"status": "interrupted", "reason": "its job was requeued"})
+            record_interrupted(h, t._trial_id, "its job was requeued")
+
+
+def record_interrupted(h: StudyHandle, trial_id: int, reason: str) -> None:
+    """A trial stopped from outside (SIGINT, SIGTERM, a SLURM requeue): FAIL with status=interrupted, which is no
+    failed attempt (study.point_states), so the point is claimed again and resumed from its newest checkpoint."""
+    _finish(h, trial_id, TrialState.FAIL, {"status": "interrupted", "reason": reason})
 
 
 def _create_running(h: StudyHandle, attrs: dict[str, Any], params: dict[str, Any] | None = None,
@@ -327,56 +348,68 @@ def _error(h: StudyHandle, claim: Claim, e: Exception) -> str:
 
 def run_claim(h: StudyHandle, claim: Claim, fit: FitFn, heartbeat_s: float, evaluate: FitFn) -> str:
     """Run one claimed point to its recorded end: fit, collect, the final evaluation (`evaluate`, e.g.
-    final.evaluate_run) unless the file says final_eval: false. Returns the status recorded."""
+    final.evaluate_run) unless the file says final_eval: false. Returns the status recorded. Stopped by SIGINT or
+    SIGTERM (`launch.job.stop_status`: also the SystemExit a fit turns them into), the trial is recorded as
+    interrupted, which is no failed attempt: the next run resumes the point from its newest checkpoint."""
     beat = Heartbeat(h.storage, claim.trial_id, heartbeat_s)
     beat.start()
     try:
-        try:
-            exp, cost = trial_setup(h.spec, h.dir, claim.overrides, claim.seed)
-        except ConfigError as e:
-            _finish(h, claim.trial_id, TrialState.FAIL, {"status": INVALID, "reason": str(e)})
-            log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
-            return INVALID
-        except Exception as e:  # the data a FLOPs budget is measured on
-            return _error(h, claim, e)
-        run_dir = exp.run_dir()
-        done = fit_done(run_dir)  # an earlier attempt's fit ran to its end; its worker died before recording it
-        ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
-        resume = ckpt is not None
-        for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
-                     "resumed_from": str(ckpt) if ckpt else None, "fit_reused": done is not None}.items():
-            h.storage.set_trial_user_attr(claim.trial_id, k, v)
-        log.info("trial %d: %s seed %d%s -> %s", claim.number, claim.variant, claim.seed,
-                 " (its fit finished in an earlier attempt: collected, not fitted again)" if done
-                 else " (resuming)" if resume else "", run_dir)
-        t0 = time.perf_counter()
-        try:
-            if done:
-                out = run_dir
-            else:
-                out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
-                faults.reached("fit_done")
-            if beat.lost or declared_lost(h.storage, claim.trial_id):  # taken over while this worker was
-                return "lost"  # stalled: no result and no final evaluation (its files are the retry's)
-            run_dir = Path(out) if out else run_dir
-            result = collect(run_dir, exp, h.spec.metric, cost)
-            result["wall_s"] = time.perf_counter() - t0  # training; the final evaluation's time is its own
-            if h.spec.final_eval:
-                result["final"] = evaluate(exp, run_dir)
-        except KeyboardInterrupt:
-            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "interrupted"})
+        return _run_claim(h, claim, fit, beat, evaluate)
+    except BaseException as e:
+        code = stop_status(e)
+        if code is None:
             raise
-        except Exception as e:
-            return "lost" if beat.lost else _error(h, claim, e)  # a step killed because its trial was taken over
-        metric = h.spec.metric
-        value = result["final"].get(metric.removeprefix("final/")) if metric.startswith("final/") else result["metric"]
-        if value is None or not math.isfinite(value):
-            _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{h.spec.metric} = {value}"})
-            return "error"
-        ok = _finish(h, claim.trial_id, TrialState.COMPLETE, result, value)
-        return DONE if ok else "lost"
+        how = signal.Signals(code - 128).name
+        record_interrupted(h, claim.trial_id, f"interrupted ({how})")
+        log.warning("trial %d %s seed %d interrupted (%s): the next run resumes it from its checkpoint",
+                    claim.number, claim.variant, claim.seed, how)
+        raise
     finally:
         beat.stop()
+
+
+def _run_claim(h: StudyHandle, claim: Claim, fit: FitFn, beat: Heartbeat, evaluate: FitFn) -> str:
+    try:
+        exp, cost = trial_setup(h.spec, h.dir, claim.overrides, claim.seed)
+    except ConfigError as e:
+        _finish(h, claim.trial_id, TrialState.FAIL, {"status": INVALID, "reason": str(e)})
+        log.info("trial %d %s seed %d: invalid: %s", claim.number, claim.variant, claim.seed, e)
+        return INVALID
+    except Exception as e:  # the data a FLOPs budget is measured on
+        return _error(h, claim, e)
+    run_dir = exp.run_dir()
+    done = fit_done(run_dir)  # an earlier attempt's fit ran to its end; its worker died before recording it
+    ckpt = latest_checkpoint(run_dir)  # the newest of last, hpc_ckpt_N, step=N that loads
+    resume = ckpt is not None
+    for k, v in {"run_dir": str(run_dir), "config_hash": exp.config_hash(), "resumed": resume,
+                 "resumed_from": str(ckpt) if ckpt else None, "fit_reused": done is not None}.items():
+        h.storage.set_trial_user_attr(claim.trial_id, k, v)
+    log.info("trial %d: %s seed %d%s -> %s", claim.number, claim.variant, claim.seed,
+             " (its fit finished in an earlier attempt: collected, not fitted again)" if done
+             else " (resuming)" if resume else "", run_dir)
+    t0 = time.perf_counter()
+    try:
+        if done:
+            out = run_dir
+        else:
+            out = fit(exp, ckpt_path=None if ckpt is None else "last" if ckpt.name == "last.ckpt" else str(ckpt))
+            faults.reached("fit_done")
+        if beat.lost or declared_lost(h.storage, claim.trial_id):  # taken over while this worker was
+            return "lost"  # stalled: no result and no final evaluation (its files are the retry's)
+        run_dir = Path(out) if out else run_dir
+        result = collect(run_dir, exp, h.spec.metric, cost)
+        result["wall_s"] = time.perf_counter() - t0  # training; the final evaluation's time is its own
+        if h.spec.final_eval:
+            result["final"] = evaluate(exp, run_dir)
+    except Exception as e:
+        return "lost" if beat.lost else _error(h, claim, e)  # a step killed because its trial was taken over
+    metric = h.spec.metric
+    value = result["final"].get(metric.removeprefix("final/")) if metric.startswith("final/") else result["metric"]
+    if value is None or not math.isfinite(value):
+        _finish(h, claim.trial_id, TrialState.FAIL, {"status": "error", "error": f"{h.spec.metric} = {value}"})
+        return "error"
+    ok = _finish(h, claim.trial_id, TrialState.COMPLETE, result, value)
+    return DONE if ok else "lost"
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -386,6 +419,8 @@ def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     evaluate = resolve_fit(opts.evaluate)
     n = 0
     while opts.max_trials is None or n < opts.max_trials:
+        if stop_signal() is not None:  # a SIGTERM that came as a fit ended, too late to stop it: no next trial
+            raise KeyboardInterrupt(signal.Signals(stop_signal()).name)
         claim, busy = claim_next(h, opts.grace_s)
         if claim is None:
             if not busy or not opts.linger:

@@ -61,10 +61,17 @@ class PointState:
 
     @property
     def reason(self) -> str:
+        """Why the point's latest attempt ended without a result: its recorded reason or error; a trial failed as lost
+        before the reason was recorded (or lost before it could record one) says whose worker was lost."""
         for t in reversed(self.trials):
             text = t.user_attrs.get("reason") or t.user_attrs.get("error")
             if text:
                 return str(text)
+            status = str(t.user_attrs.get("status", "lost")) if t.state == TrialState.FAIL else ""
+            if status == "lost":
+                return f"lost: its worker {t.user_attrs.get('worker', '(unknown)')} stopped before recording the trial"
+            if status == "interrupted":
+                return "interrupted"
         return ""
 
 

@@ -20,8 +20,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,13 +157,48 @@ def local_fit(inner: str) -> FitFn:
     return run
 
 
-def install_worker_signals() -> None:
-    """SIGTERM ends a worker like Ctrl-C (its trial is recorded as interrupted, which is no failed attempt);
-    USR1 (sent to the batch shell and passed on by it) goes to the running trial's srun step, whose tasks
-    checkpoint and requeue; between trials the worker requeues its job itself."""
+_STOP: list[int] = []  # the SIGINT or SIGTERM that asked this process to stop (install_worker_signals)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+
+def stop_signal() -> int | None:
+    """The signal (SIGINT, SIGTERM) that asked this worker to stop, once one came (install_worker_signals)."""
+    return _STOP[0] if _STOP else None
+
+
+def stop_status(e: BaseException) -> int | None:
+    """The exit status (128 + the signal: 130, 143) when `e` is this process being stopped by SIGINT or SIGTERM, else
+    None. That is a KeyboardInterrupt, or the SystemExit into which a fit turns one: Lightning ends Ctrl-C with
+    exit(1), and train.fit ends a SIGTERM, its state saved, with exit(143)."""
+    sig = stop_signal()
+    if isinstance(e, KeyboardInterrupt):
+        return 128 + (sig or signal.SIGINT)
+    if isinstance(e, SystemExit):
+        if sig is not None:
+            return 128 + sig
+        if isinstance(e.code, int) and e.code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            return e.code  # train.fit's SIGTERM without install_worker_signals (run_study called as a library)
+    return None
+
+
+def install_worker_signals() -> None:
+    """SIGTERM and SIGINT stop a worker (and `ablate run`) the same way: its trial is recorded as interrupted,
+    which is no failed attempt, so the next run resumes it from its checkpoint, and the process exits 128 + the
+    signal (`stop_status`). The first raises KeyboardInterrupt at once, except a SIGTERM during a Lightning fit of
+    this process: Lightning's handler, which calls this one, stops the fit at the end of its step and saves it
+    there (train.fit then raises SystemExit(143)). Another one while stopping is ignored, so that recording the
+    trial is not cut short. USR1 (sent to the batch shell and passed on by it) goes to the running trial's srun
+    step, whose tasks checkpoint and requeue; between trials the worker requeues its job itself."""
+
+    def on_stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if _STOP:
+            log.warning("%s: already stopping (%s)", name, signal.Signals(_STOP[0]).name)
+            return
+        _STOP.append(signum)
+        if signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is not on_stop:
+            log.warning("SIGTERM: the fit stops and saves at the end of this step")  # Lightning's handler called us
+            return
+        raise KeyboardInterrupt(name)
 
     def on_usr1(signum: int, frame: Any) -> None:
         if _RUNNING:
@@ -174,8 +211,26 @@ def install_worker_signals() -> None:
             log.warning("USR1 between trials: requeueing job %s", me[0])
             subprocess.call(["scontrol", "requeue", me[0]])
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGUSR1, on_usr1)
+
+
+@contextmanager
+def worker_signals() -> Iterator[None]:
+    """`install_worker_signals` for the block (`ablate run`, which may run inside another program: a test), then
+    the handlers from before it, and no stop pending."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    install_worker_signals()
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        _STOP.clear()
 
 
 def task_main(argv: list[str]) -> int:
