@@ -7,6 +7,7 @@ which is no failed attempt, the process exits 130 / 143, and the next run resume
 from __future__ import annotations
 
 import csv
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from attnlab.ablate.study import connect, format_status, point_states, prepare_s
 from attnlab.checkpoints import checkpoint_step, latest_checkpoint
 from attnlab.cli import main
 from attnlab.leftovers import owner, owner_alive
-from test_ablate_runner import FAKE, GRID_4x2, write_lm_recipe, write_study
+from test_ablate_runner import FAKE, FAST, GRID_4x2, fake_fit, read_calls, write_lm_recipe, write_study
 
 TESTS = Path(__file__).resolve().parent
 
@@ -88,6 +89,54 @@ def test_ablate_run_with_one_worker_stopped_mid_fit_records_the_trial_interrupte
     (_, done) = sorted(connect(spec, study_dir).study.get_trials(), key=lambda t: t.number)
     assert done.state == TrialState.COMPLETE and done.user_attrs["resumed"] is True
     assert Path(done.user_attrs["resumed_from"]) == newest, "resumed from the newest checkpoint"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_ablate_run_is_passed_on_to_its_workers_which_record_their_trials_interrupted(tmp_path,
+                                                                                                 monkeypatch, sig):
+    """`ablate run --workers 2`, both workers inside a fit, gets SIGTERM (or SIGINT) alone, as from `kill`: it passes
+    it on to its workers (they used to carry on orphaned), which record their trials as interrupted and exit; it
+    waits for them and exits 143 (130). The next run resumes both trials (retries: 0)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("FAKE_TOGETHER", "2")  # each fit waits for the other worker's to start,
+    monkeypatch.setenv("FAKE_SLEEP", "300")  # then trains for 5 minutes: the signal comes inside both fits
+    spec = load_spec(write_study(tmp_path, "retries: 0\n" + GRID_4x2.replace("[1, 2]", "[1]")))
+    study_dir = tmp_path / "study"
+    common = ["--dir", str(study_dir), "--fit", FAKE, "--heartbeat", "1", "--grace", "600", "--poll", "0.2"]
+    run = subprocess.Popen([sys.executable, "-m", "attnlab", "ablate", "run", str(spec.path), "--workers", "2",
+                            *common])
+    pids: set[int] = set()
+    try:
+        wait_until(lambda: len({c["pid"] for c in read_calls(study_dir)[0]}) == 2, run, 120, "fit in both workers")
+        pids = {c["pid"] for c in read_calls(study_dir)[0]}
+        run.send_signal(sig)  # to the parent alone
+        assert run.wait(timeout=60) == 128 + sig, "the parent waits for its workers and exits 128 + the signal"
+        assert not [pid for pid in pids if alive(pid)], "a worker carries on"
+    finally:
+        for pid in pids:  # before the fix: orphaned workers, still inside their 5-minute fits
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+    h = connect(spec, study_dir)
+    stopped = h.study.get_trials()
+    assert len(stopped) == 2
+    for t in stopped:
+        assert t.state == TrialState.FAIL and t.user_attrs["status"] == "interrupted", t.user_attrs
+        assert t.user_attrs["reason"] == f"interrupted ({sig.name})"
+    assert all(s.attempts == 0 for s in point_states(h, grace_s=600).values())
+
+    monkeypatch.setenv("FAKE_SLEEP", "0")
+    monkeypatch.delenv("FAKE_TOGETHER")
+    assert run_study(spec, study_dir, opts=FAST, fit=fake_fit) == {"done": 4}
+    again = [t for t in connect(spec, study_dir).study.get_trials() if t.number >= 2]
+    resumed = {t.user_attrs["point_id"] for t in again if t.user_attrs["resumed"]}
+    assert resumed == {t.user_attrs["point_id"] for t in stopped}, "each interrupted point resumed, once"
+    assert all(t.state == TrialState.COMPLETE for t in again) and len(again) == 4
 
 
 def test_a_failed_point_says_why_a_lost_worker_included(tmp_path):

@@ -462,19 +462,22 @@ def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | 
         return status_counts(h, opts.grace_s)
     if fit is not None:
         raise ValueError("run_study with worker processes: give the fit as opts.fit='module:function'")
-    procs = []
-    for i in range(workers):
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-        if slices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = slices[i]
-            log.info("worker %d: CUDA_VISIBLE_DEVICES=%s", i, slices[i])
-        procs.append(subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts), env=env))
+    procs: list[subprocess.Popen] = []
     try:
+        for i in range(workers):
+            env = dict(os.environ)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+            if slices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = slices[i]
+                log.info("worker %d: CUDA_VISIBLE_DEVICES=%s", i, slices[i])
+            procs.append(subprocess.Popen(worker_command(h.spec.path, h.dir, h.url, opts), env=env))
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`install_worker_signals`): passed on to every worker, whose
+        sig = stop_signal() or signal.SIGINT  # trials are recorded as interrupted, and waited for
+        log.warning("%s: passing it on to the %d worker(s) and waiting for them", signal.Signals(sig).name, len(procs))
         for p in procs:
-            p.terminate()
+            if p.poll() is None:
+                p.send_signal(sig)
         for p in procs:
             p.wait()
         raise
