@@ -273,6 +273,16 @@ def test_stretched_intervals_are_the_smallest_multiple_lasting_the_minimum():
     # every 15 wanting 45 gives 60 (validations at 60 ... 300), not 45 (the last at 270)
     assert stretched(15, 0.75, 1.0, last=300) == 60 and stretched(15, 0.75, 1.0, last=310) == 45
     assert stretched(10, 1.0, 0.1, last=70) == 70  # 60 wanted; 70 is the only multiple of 10 dividing 70 from 60 on
+    # a run that ends at a time limit, not at max_steps (the demo: 10 minutes, max_steps 100,000): as wanted
+    assert stretched(500, 0.5, 0.005, last=100_000) == 10_000 and stretched(500, 0.5, 0.005, 100_000, False) == 6_000
+
+
+def test_only_a_run_without_a_time_limit_stretches_to_intervals_dividing_max_steps(tmp_path):
+    for minutes, divide in ((0, True), (10, False)):
+        exp = load_experiment(write_recipe(tmp_path, trainer={"max_time_min": minutes, "val_every_min": 0.5}))
+        trainer = make_trainer(exp, tmp_path / f"run{minutes}", logger=False)
+        [stretch] = [c for c in trainer.callbacks if isinstance(c, intervals.StretchIntervals)]
+        assert stretch.divide is divide
 
 
 def test_val_and_ckpt_every_min_stretch_the_step_intervals_of_a_fast_run(tmp_path, monkeypatch):

@@ -21,18 +21,19 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 log = logging.getLogger("attnlab")
 
 
-def stretched(every: int, minutes: float, step_s: float, last: int = -1) -> int:
+def stretched(every: int, minutes: float, step_s: float, last: int = -1, divide: bool = True) -> int:
     """The smallest multiple of `every` steps lasting at least `minutes` at `step_s` seconds a step, but no more
     than the last multiple of `every` within `last` (trainer.max_steps; <= 0: none): stretched past it, a run of a
-    fixed step budget would never validate at all. Where `every` divides `last`, the multiple also divides it, so
-    the run still validates (and checkpoints) at its last step."""
+    fixed step budget would never validate at all. With `divide` (a run that ends at `last`, not at a time limit),
+    where `every` divides `last` the multiple also divides it, so the run still validates (and checkpoints) at its
+    last step."""
     if minutes <= 0 or step_s <= 0:
         return every
     n = max(1, math.ceil(minutes * 60 / (step_s * every)))
     if last < every:
         return every * n
     m = last // every
-    if last % every == 0:  # the smallest multiple from n on that divides the budget (m itself at the most)
+    if divide and last % every == 0:  # the smallest multiple from n on that divides the budget (m itself at the most)
         return every * next((k for k in range(min(n, m), m + 1) if m % k == 0), m)
     return every * min(n, m)
 
@@ -42,10 +43,11 @@ class StretchIntervals(Callback):
     `timed` optimizer steps after `skip` warm-up steps (compiling, first batches)."""
 
     def __init__(self, ckpt: ModelCheckpoint, val_every: int, ckpt_every: int, val_min: float, ckpt_min: float,
-                 steps: dict[str, int] | None = None, skip: int = 5, timed: int = 20) -> None:
+                 steps: dict[str, int] | None = None, skip: int = 5, timed: int = 20, divide: bool = True) -> None:
         self.ckpt = ckpt  # the run's step checkpoints, whose interval this stretches
         self.val_every, self.ckpt_every, self.val_min, self.ckpt_min = val_every, ckpt_every, val_min, ckpt_min
         self.skip, self.timed = skip, timed
+        self.divide = divide  # the run ends at trainer.max_steps (no time limit): intervals that divide it
         # the stretched intervals, once known; a resume passes the checkpoint's (`saved_steps`) to the constructor, so
         # the ModelCheckpoint is built with its stretched interval, which is part of the key its state is saved under
         self.steps: dict[str, int] | None = steps
@@ -74,8 +76,8 @@ class StretchIntervals(Callback):
         elif step == first + self.timed and t0 is not None:
             step_s = trainer.strategy.broadcast((perf_counter() - t0) / self.timed, src=0)
             last = trainer.max_steps
-            self.steps = {"val": stretched(self.val_every, self.val_min, step_s, last),
-                          "ckpt": stretched(self.ckpt_every, self.ckpt_min, step_s, last)}
+            self.steps = {"val": stretched(self.val_every, self.val_min, step_s, last, self.divide),
+                          "ckpt": stretched(self.ckpt_every, self.ckpt_min, step_s, last, self.divide)}
             if self.steps != {"val": self.val_every, "ckpt": self.ckpt_every}:
                 log.info("%.3f s a step: validating every %d steps and checkpointing every %d (trainer.val_every_min "
                          "%g, ckpt_every_min %g)", step_s, self.steps["val"], self.steps["ckpt"], self.val_min,

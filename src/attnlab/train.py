@@ -204,7 +204,7 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         callbacks.append(SigtermAtStepEnd())
     if t.val_every_min or t.ckpt_every_min:  # intervals that last at least so long on a fast device
         callbacks.append(StretchIntervals(ckpt, t.val_every, t.ckpt_every, t.val_every_min, t.ckpt_every_min,
-                                          steps=stretched))
+                                          steps=stretched, divide=not t.max_time_min))
     if t.progress_bar:  # a bar on a terminal, plain lines in a log file
         callbacks.append(progress_callback(t.log_every, run_dir.name))
     kwargs: dict[str, Any] = dict(
