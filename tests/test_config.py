@@ -181,3 +181,20 @@ def test_flash_attn_in_32_bit_precision_is_refused_naming_both_keys():
     with pytest.raises(ConfigError, match=r"attention_backend=flash_attn.*trainer\.precision=32-true"):
         from_raw(raw)
     from_raw({**raw, "trainer": {"precision": "bf16-mixed"}})  # 16-bit activations: accepted
+
+
+def test_settings_at_odds_across_sections_are_refused_naming_both_and_the_file(tmp_path):
+    """Two BPEs cannot share one embedding table (their ids mean other pieces), and a learned position table
+    shorter than data.max_len fails at whichever step first draws a long pair: both refused when the recipe loads."""
+    with pytest.raises(ConfigError, match=r"^<dict>: model\.tie_embeddings=all .*data\.joint_vocab=false"):
+        from_raw({"model": {}, "data": {"joint_vocab": False}})
+    from_raw({"model": {"tie_embeddings": "decoder"}, "data": {"joint_vocab": False}})
+    from_raw({"model": {"arch": "decoder_only"}, "data": {"joint_vocab": False}})  # one vocabulary anyway
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len=16 .*data\.max_len=32"):
+        from_raw({"model": {"position": "learned", "max_seq_len": 16}, "data": {"max_len": 32}})
+    from_raw({"model": {"position": "learned", "max_seq_len": 32}, "data": {"max_len": 32}})
+    from_raw({"model": {"max_seq_len": 16}, "data": {"max_len": 32}})  # sinusoidal: no table to run past
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nmodel: {}\ndata: {corpus: x.tsv, joint_vocab: false}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(recipe))}: model\.tie_embeddings=all"):
+        load_experiment(recipe)

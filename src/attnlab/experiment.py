@@ -136,6 +136,16 @@ class Experiment:
             raise ConfigError("model.attention_backend=flash_attn needs 16-bit activations (the kernel takes fp16 or "
                               "bf16 only): trainer.precision=32-true cannot run it; use trainer.precision bf16-mixed "
                               "(or auto on a GPU), or model.attention_backend sdpa")
+        m, d = self.model, self.data
+        if m.arch == "encoder_decoder" and m.tie_embeddings == "all" and not d.joint_vocab:
+            # the ids of two BPEs would share rows (fairseq: --share-all-embeddings requires a joined dictionary)
+            raise ConfigError("model.tie_embeddings=all shares one table between source and target, which needs one "
+                              "vocabulary: data.joint_vocab=false trains two; set data.joint_vocab true, or "
+                              "model.tie_embeddings decoder (or none)")
+        if m.arch == "encoder_decoder" and m.position == "learned" and m.max_seq_len < d.max_len:
+            raise ConfigError(f"model.position=learned has model.max_seq_len={m.max_seq_len} positions, fewer than "
+                              f"the data.max_len={d.max_len} tokens a training sequence may have: raise "
+                              "model.max_seq_len, or lower data.max_len")
 
     @property
     def task(self) -> str:
@@ -289,6 +299,6 @@ def from_raw(raw: dict[str, Any], source: str = "<dict>") -> Experiment:
         raise ConfigError(f"{source}: an experiment needs model: and data: sections")
     try:
         sections = {k: cls.from_dict(raw.get(k, {})) for k, cls in SECTIONS.items()}
+        return Experiment(name=str(raw.get("name", Path(source).stem)), **sections)  # checks across sections
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    return Experiment(name=str(raw.get("name", Path(source).stem)), **sections)
