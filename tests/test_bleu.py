@@ -11,6 +11,8 @@ import json
 import math
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +142,23 @@ def test_cli_bleu_prints_and_writes_both_bleus(tmp_path, capsys) -> None:
     # without --compound-split only sacreBLEU and chrF
     assert main(["bleu", "--hyp", str(hyp), "--ref", str(ref)]) == 0
     assert "compound" not in capsys.readouterr().out
+
+
+def test_cli_bleu_lang_takes_a_language_or_sacrebleus_pair_by_its_target(tmp_path, capsys) -> None:
+    """--lang en-zh is sacreBLEU's -l pair: the target (zh) picks the tokenizer, as `sacrebleu -l en-zh` does;
+    zh-en scores English (13a); a locale (zh_CN, zh-TW) is its language."""
+    hyp, ref = tmp_path / "hyp.zh", tmp_path / "ref.zh"
+    hyp.write_text("我很喜欢这只猫。\n", encoding="utf-8")
+    ref.write_text("我很喜欢那只猫。\n", encoding="utf-8")
+    for lang, tok in (("en-zh", "zh"), ("zh-en", "13a"), ("zh_CN", "zh"), ("zh-TW", "zh"), ("zh", "zh")):
+        assert main(["bleu", "--hyp", str(hyp), "--ref", str(ref), "--lang", lang]) == 0
+        assert f"tok:{tok}|" in capsys.readouterr().out, lang
+    cli = shutil.which("sacrebleu", path=str(Path(sys.executable).parent))
+    assert cli, "sacreBLEU's command line comes with it"  # the same score as sacreBLEU's own command line
+    theirs = subprocess.run([cli, str(ref), "-i", str(hyp), "-l", "en-zh", "-b", "-w", "2"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    main(["bleu", "--hyp", str(hyp), "--ref", str(ref), "--lang", "en-zh"])
+    assert f"BLEU = {theirs} " in capsys.readouterr().out and float(theirs) > 20
 
 
 def test_cli_bleu_errors_name_the_files(tmp_path, capsys) -> None:

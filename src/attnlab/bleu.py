@@ -38,6 +38,13 @@ from .config import ConfigError
 MECAB_EXTRA = "pip install 'attnlab[mecab]'"  # sacreBLEU's ja-mecab and ko-mecab tokenizers need MeCab + dictionary
 
 
+def target_language(lang: str) -> str:
+    """`attnlab bleu --lang`: a language (de, zh_CN, pt-BR), or a pair as sacreBLEU's -l takes it (en-zh: two
+    lowercase codes), whose second part is the target. sacreBLEU picks its tokenizer by the target."""
+    pair = re.fullmatch(r"[a-z]{2,3}-([a-z]{2,3})", lang)
+    return pair.group(1) if pair else lang
+
+
 def sacrebleu_bleu(tgt_lang: str = "") -> sacrebleu.metrics.BLEU:
     """sacreBLEU's BLEU for text in `tgt_lang`, with the tokenizer its CLI picks for `-l xx-<tgt_lang>`: zh for
     Chinese, ja-mecab for Japanese, ko-mecab for Korean, 13a for every other language (13a would score a

@@ -23,7 +23,7 @@ import torch
 
 from . import __version__
 from .ablate.commands import add_ablate_commands, cmd_ablate
-from .bleu import compound_split_bleu, read_pair
+from .bleu import compound_split_bleu, read_pair, target_language
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
 from .cliargs import Parser, check_options, config_help
 from .config import ConfigError, ModelConfig, load_yaml
@@ -423,8 +423,9 @@ def build_parser() -> Parser:
     bleu.add_argument("--ref", required=True, help="references, detokenised, line-aligned with --hyp")
     bleu.add_argument("--compound-split", action="store_true",
                       help="also Moses-tokenised BLEU with ##AT## compound splitting (get_ende_bleu.sh)")
-    bleu.add_argument("--lang", default="de", help="target language, as sacreBLEU's -l: its tokenizer (zh, ja-mecab, "
-                      "ko-mecab, else 13a) and the Moses tokenizer's language for --compound-split")
+    bleu.add_argument("--lang", default="de", type=target_language, help="target language (de, zh_CN), or a pair as "
+                      "sacreBLEU's -l (en-zh): its tokenizer (zh, ja-mecab, ko-mecab, else 13a) and the Moses "
+                      "tokenizer's language for --compound-split")
     bleu.add_argument("--json", default=None, help="also write the scores to this JSON file")
     avg = sub.add_parser("average", help="average checkpoints (the last N of a run, or those given)")
     avg.add_argument("--run-dir", default=None)
