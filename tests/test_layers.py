@@ -194,10 +194,15 @@ def test_normal_init_scales_the_residual_projections_by_depth():
     assert not blk.ffn.fc1.bias.any() and not blk.self_attn.out_proj.bias.any()
 
 
-def test_bert_base_layer_is_7084800_parameters():
-    cfg = ModelConfig(arch="encoder_only", d_model=768, n_heads=12, d_ff=3072, ffn="gelu", attn_bias=False,
+def test_bert_base_layer_is_7087872_parameters_as_in_transformers():
+    """BERT-base's layer has biases on its attention projections and FFN (Devlin et al. 2019)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(arch="encoder_only", d_model=768, n_heads=12, d_ff=3072, ffn="gelu", attn_bias=True,
                       ffn_bias=True, norm="layernorm", vocab_size=30522)
-    assert layer_parameters(cfg) == 7_084_800
+    bert = transformers.models.bert.modeling_bert.BertLayer(transformers.BertConfig())
+    assert layer_parameters(cfg) == sum(p.numel() for p in bert.parameters()) == 7_087_872
+    # without the attention's 4 x 768 biases
+    assert layer_parameters(cfg.replace(attn_bias=False)) == 7_087_872 - 4 * 768
 
 
 def test_base_and_big_transformer_counts():

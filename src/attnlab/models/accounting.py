@@ -84,7 +84,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
 
 def layer_parameters(cfg: ModelConfig, cross: bool = False) -> int:
-    """Parameters of one block, e.g. a BERT-base encoder layer = 7,084,800."""
+    """Parameters of one block, e.g. a BERT-base encoder layer = 7,087,872."""
     return sum(block_params(cfg, cross).values())
 
 
