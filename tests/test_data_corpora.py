@@ -63,10 +63,11 @@ def test_config_validation_names_the_field(kw, match):
 def test_aligned_tsv_jsonl_give_the_same_pairs(tmp_path, data_pairs):
     pairs = data_pairs[:50]
     (tmp_path / "c.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
-    (tmp_path / "c.de").write_text("".join(t + "\r\n" for _, t in pairs), encoding="utf-8")  # CRLF is fine
-    (tmp_path / "t.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs) + "\n", encoding="utf-8")
+    # CRLF is fine, and so is a byte order mark (utf-8-sig: as Windows editors save), which is not text
+    (tmp_path / "c.de").write_text("".join(t + "\r\n" for _, t in pairs), encoding="utf-8-sig")
+    (tmp_path / "t.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs) + "\n", encoding="utf-8-sig")
     (tmp_path / "wmt.jsonl").write_text("".join(json.dumps({"translation": {"de": t, "en": s}}) + "\n"
-                                                for s, t in pairs), encoding="utf-8")
+                                                for s, t in pairs), encoding="utf-8-sig")
     (tmp_path / "st.jsonl").write_text("".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs),
                                        encoding="utf-8")
     for spec in ("c", "t.tsv", "t", "wmt.jsonl", "wmt", "st.jsonl"):

@@ -31,11 +31,12 @@ def count_lines(path: Path) -> int:
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text without its line terminator); invalid UTF-8 is a DataError naming file:line."""
+    """(line number, text without its line terminator); invalid UTF-8 is a DataError naming file:line. A UTF-8
+    byte order mark at the start of the file (as Windows editors write) is not text: it is dropped."""
     with open(need_file(path), "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{i}: invalid UTF-8 at byte {e.start}: {raw[max(0, e.start - 20):e.end + 20]!r}"
                                 ) from None
