@@ -135,8 +135,11 @@ def test_info_prints_the_comparison_with_the_paper(capsys) -> None:
     assert main(["info", str(BASE)]) == 0
     out = capsys.readouterr().out
     assert "63,082,496" in out and "paper: 65M" in out and "(-1.92M)" in out
-    # (65M -+ 0.5M - 63,082,496) / 512 + 37,000 = 39,769 .. 41,722 rows; closed_form(40960, ...) = 65,109,504
-    assert "39,769-41,722 rows" in out and "65.11M" in out and "rounds to the paper's 65M" in out
+    # 37,000 + (64.5M - 63,082,496) / 512 = 39,768.6 and 37,000 + (65.5M - 63,082,496) / 512 = 41,721.7: rows
+    # 39,769 .. 41,721 give counts that round to 65M (41,722 gives 65,500,160: 66M); closed_form(40960, ...) =
+    # 65,109,504
+    assert closed_form(41721, 512, 2048, 6) == 65_499_648 and closed_form(41722, 512, 2048, 6) == 65_500_160
+    assert "39,769-41,721 rows" in out and "65.11M" in out and "rounds to the paper's 65M" in out
     assert main(["info", str(BIG)]) == 0
     out = capsys.readouterr().out
     assert "214,245,376" in out and "paper: 213M" in out and "218.30M" in out and "not 213M" in out

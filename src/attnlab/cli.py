@@ -12,6 +12,7 @@ import argparse
 import codecs
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -110,7 +111,8 @@ def published_comparison(cfg: ModelConfig, total: int, name: str | None) -> list
         return []
     published, where, rows, known = PUBLISHED_PARAMS[name]
     per_row = count_parameters(cfg.replace(vocab_size=cfg.vocab_size + 1))["total"] - total
-    lo, hi = (cfg.vocab_size + (published + s * 0.5e6 - total) / per_row for s in (-1, 1))
+    # the row counts whose total rounds to the published millions: from 0.5M below it to just under 0.5M above
+    lo, hi = (cfg.vocab_size + math.ceil((published + s * 0.5e6 - total) / per_row) - (s > 0) for s in (-1, 1))
     with_rows = count_parameters(cfg.replace(vocab_size=rows))["total"]
     fits = round(with_rows / 1e6) == round(published / 1e6)
     lines = [
