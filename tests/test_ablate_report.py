@@ -425,7 +425,7 @@ def test_a_translation_study_is_scored_by_final_test_bleu_and_rows_scored_anothe
 
 def test_plot_of_a_study_without_the_metrics_curve_says_so_and_does_not_warn(tmp_path):
     """A study whose metric (final/test_bleu) has no curve logged during training (fake_fit logs no val/bleu):
-    the metric's panel says "no curve logged", the legend goes beside the loss curves, and matplotlib has
+    the metric's panel says "no curve logged", the loss curves' legend goes right of both panels, and matplotlib has
     nothing to warn about."""
     import warnings
 
@@ -443,4 +443,8 @@ def test_plot_of_a_study_without_the_metrics_curve_says_so_and_does_not_warn(tmp
             plot(connect(spec, tmp_path / "study"))
     loss, curves = drawn[0].axes
     assert not curves.get_lines() and [t.get_text() for t in curves.texts] == ["no curve logged"]
-    assert loss.get_legend() is not None and len(loss.get_lines()) == 2
+    assert len(loss.get_lines()) == 2 and loss.get_legend() is None
+    # the legend of the loss curves stands right of both panels (beside the loss panel it lay under the other)
+    legend = curves.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in loss.get_lines()]
+    assert legend.get_bbox_to_anchor().x0 > curves.transAxes.transform((1, 0))[0]  # anchored right of it

@@ -78,11 +78,14 @@ def plot(h: StudyHandle, out_dir: Path | None = None) -> list[Path]:
     for ax in (loss_ax, metric_ax):
         if not ax.get_legend_handles_labels()[0]:  # e.g. a study whose trials logged no validation curve
             ax.text(0.5, 0.5, "no curve logged", transform=ax.transAxes, ha="center", va="center", color="gray")
-    # one legend, beside the metric's curves, else beside the loss's
-    legend_ax = metric_ax if metric_ax.get_legend_handles_labels()[0] else loss_ax
-    if legend_ax.get_legend_handles_labels()[0]:
-        legend_ax.legend(fontsize=7 if len(rows) > 12 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                         ncol=1 if len(rows) <= 24 else 2, frameon=False)
+    # one legend, right of both panels: the metric's curves, else the loss's (beside the loss panel it would lie
+    # under the metric's)
+    handles, labels = metric_ax.get_legend_handles_labels()
+    if not handles:
+        handles, labels = loss_ax.get_legend_handles_labels()
+    if handles:
+        metric_ax.legend(handles, labels, fontsize=7 if len(rows) > 12 else 8, loc="upper left",
+                         bbox_to_anchor=(1.01, 1.0), ncol=1 if len(rows) <= 24 else 2, frameon=False)
     fig.suptitle(h.spec.name)
     fig.savefig(paths[0], dpi=110, bbox_inches="tight")
 
