@@ -201,6 +201,9 @@ def test_generate_samples_from_an_lm_checkpoint_conditioned_on_the_document_sepa
     assert main(["test", "-c", str(runs["lm_recipe"]), "--ckpt", last]) == 0
     scores = json.loads(capsys.readouterr().out)
     assert scores["test/ppl"] == pytest.approx(2.718281828 ** scores["test/loss"], rel=1e-4) and "bleu" not in scores
+    for extra in (["--beam", "4"], ["--engine", "ctranslate2"]):  # decoding options: refused, not ignored
+        assert main(["test", "-c", str(runs["lm_recipe"]), "--ckpt", last, *extra]) == 2
+        assert "this recipe trains lm, which test scores by loss and perplexity alone" in capsys.readouterr().err
     assert main(["generate", "--ckpt", str(runs["mt"] / "checkpoints" / "last.ckpt")]) == 2
     assert "is not a language model (model.arch=encoder_decoder)" in capsys.readouterr().err
     assert main(["translate", "--ckpt", last]) == 2

@@ -168,6 +168,16 @@ def test_mlm_demo_learns_on_the_gettext_text(data_locale_de, tmp_path, capsys):
     assert main(argv) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["val/loss"] == pytest.approx(val[-1], rel=1e-6) and again["val/mlm_acc"] == pytest.approx(acc[-1])
+    # the commands it does not fit say what it is and what does fit it
+    last = str(run_dir / "checkpoints" / "last.ckpt")
+    assert main(["generate", "--ckpt", last]) == 2
+    assert "not a language model (model.arch=encoder_only); a masked language model is scored by attnlab " \
+           "validate / test" in capsys.readouterr().err
+    assert main(["export", "--ckpt", last, "--out", str(tmp_path / "hf")]) == 2
+    assert "decoder_only -> Llama, Qwen3 or GPT-2, encoder_decoder -> Marian" in capsys.readouterr().err
+    assert main([*argv, "--beam", "4"]) == 2
+    assert "--beam and --engine choose how translations are decoded; this recipe trains mlm" in \
+           capsys.readouterr().err
     trainer = make_trainer(resolved, tmp_path / "other", logger=False, enable_progress_bar=False)
     module = make_module(resolved, dm)
     first = trainer.validate(module, datamodule=dm, verbose=False)[0]

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from attnlab.cli import PUBLISHED_PARAMS, info_config, main
+from attnlab.cli import main
 from attnlab.config import ModelConfig
 from attnlab.experiment import load_experiment
+from attnlab.info import PUBLISHED_PARAMS, info_config
 from attnlab.models.accounting import count_parameters
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"

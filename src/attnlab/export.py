@@ -99,8 +99,8 @@ def unmapped(cfg: ModelConfig, rules: dict[str, tuple[Any, ...]], free: Collecti
 def hf_refused(cfg: ModelConfig) -> str | None:
     """Why the Hugging Face export cannot write this variant (every field that does not map), or None."""
     if target(cfg) is None:
-        return f"model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama or Qwen3, encoder_decoder " \
-               "-> Marian)"
+        return f"model.arch={cfg.arch} has no Hugging Face export (decoder_only -> Llama, Qwen3 or GPT-2, " \
+               "encoder_decoder -> Marian)"
     name, rules = target(cfg)
     bad = unmapped(cfg, rules)
     return f"this variant does not map onto {name}: " + "; ".join(bad) if bad else None
