@@ -144,8 +144,10 @@ def test_static_cache_limits_are_clear_errors():
         generate(model, [[3]], 2, compile_step=True)
     with pytest.raises(ValueError, match="alibi"):
         generate(lm(position="alibi"), [[3]], 2, cache="graph")
-    with pytest.raises(ValueError, match="learned position table"):
-        generate(lm(position="learned", max_seq_len=8), [[3, 4, 5]], 7, cache="static")
+    for cache in ("static", "dynamic"):  # refused before any token is made (dynamic: it failed at the 8th)
+        with pytest.raises(ValueError, match=r"prompt 3 \+ 7 new tokens is longer than the learned position table"):
+            generate(lm(position="learned", max_seq_len=8), [[3, 4, 5]], 7, cache=cache)
+    assert len(generate(lm(position="learned", max_seq_len=8), [[3, 4, 5]], 6, cache="dynamic", eos_id=None)[0]) == 9
 
 
 # ------------------------------------------------------------------------------------------ EOS off

@@ -381,14 +381,14 @@ def _generate_batch(
     G, T = ids.shape
     if max_new_tokens == 0:
         return ids.new_zeros(G, 0)
+    if model.cfg.position == "learned" and T + max_new_tokens - 1 > model.cfg.max_seq_len:  # before any work
+        raise ValueError(
+            f"prompt {T} + {max_new_tokens} new tokens is longer than the learned position table "
+            f"(model.max_seq_len={model.cfg.max_seq_len}): shorten the prompt or ask for fewer new tokens"
+        )
     if cache_kind == "dynamic":
         cache = model.new_cache()
     else:
-        if model.cfg.position == "learned" and T + max_new_tokens - 1 > model.cfg.max_seq_len:
-            raise ValueError(
-                f"prompt {T} + {max_new_tokens} new tokens is longer than the learned position table "
-                f"(model.max_seq_len={model.cfg.max_seq_len})"
-            )
         cache = StaticKVCache(model.cfg.n_dec_layers, T + max_new_tokens)
     logits = model(ids, cache=cache)[:, -1]  # (G, V) prefill: the whole prompt in one call
     step = DecodeStep.lm(model, cache, G, compile_step) if cache_kind == "graph" and max_new_tokens > 1 else None
