@@ -210,6 +210,8 @@ def test_compare_joins_shared_variants_and_gives_their_rank_correlation(tmp_path
         run_study(load_spec(path), tmp_path / path.stem, opts=FAST, fit=fake_fit)
         assert main(["ablate", "table", str(path), "--dir", str(tmp_path / path.stem)]) == 0
     capsys.readouterr()
+    assert main(["ablate", "compare", str(a), "--dirs", str(tmp_path / "a")]) == 2  # one study: needs a ladder
+    assert "needs a scale: ladder (a has none); give a second study to compare it with" in capsys.readouterr().err
     assert main(["ablate", "compare", str(a), str(b), "--dirs", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "3 variant(s) in both, joined on the fields both vary (model.ffn; other factors averaged over)" in out

@@ -168,6 +168,10 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
             raise ConfigError(f"--dirs: one directory per study, got {len(args.dirs)}")
         if args.study_b is None:
             h = open_study(args.study_a, None, dirs[0])
+            if not h.spec.sizes:
+                raise ConfigError(f"ablate compare {args.study_a}: one study is compared across its sizes, which "
+                                  f"needs a scale: ladder ({h.spec.name} has none); give a second study to compare "
+                                  "it with: ablate compare A B")
             curves, _, sizes, _ = collect_curves(h)
             print(size_transfer(h, curves, sizes))
             return 0
