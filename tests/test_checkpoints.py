@@ -27,6 +27,7 @@ from attnlab.checkpoints import (
     v1_norm_key,
 )
 from attnlab.config import ConfigError
+from attnlab.data.tokenizer import Tokenizer
 from attnlab.evaluate import load_module
 from attnlab.experiment import from_raw
 from attnlab.rundir import run_metrics
@@ -253,14 +254,16 @@ def test_average_rejects_differing_integer_tensors_and_shapes(tmp_path):
         average_checkpoints(paths)
 
 
-def test_average_refuses_checkpoints_of_other_models_or_tokenizers(tmp_path):
+def test_average_refuses_checkpoints_of_other_models_or_tokenizers(tmp_path, tokenizer):
     """Same keys and shapes are not the same model: a ReLU run averaged into a GELU one, or two runs whose BPE
     gave the same ids to other pieces, are refused naming the field; training-only fields (dropout) may differ."""
     paths, _ = write_ckpts(tmp_path)
+    other = Tokenizer.train([t for pair in make_pairs(100) for t in pair], None, 320)  # 320 ids, other pieces
+    tokenizers = {"tok-a": tokenizer.to_files(), "tok-b": other.to_files()}
 
     def stamp(path, tokenizer="tok-a", **model):
         ckpt = torch.load(path, weights_only=True)
-        ckpt.update(attnlab_format=FORMAT, tokenizer={"tokenizer.json": tokenizer},
+        ckpt.update(attnlab_format=FORMAT, tokenizer=tokenizers[tokenizer],
                     hyper_parameters={"model": {"ffn": "relu", "dropout": 0.1, **model}})
         torch.save(ckpt, path)
 

@@ -154,10 +154,22 @@ def checked(ckpt: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return migrate(ckpt)
 
 
+def saved_model(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The model config a checkpoint was trained with, as a dict: a field added after it was written holds its
+    default there (ModelConfig.from_dict does the same)."""
+    return {**ModelConfig().to_dict(), **ckpt.get("hyper_parameters", {}).get("model", {})}
+
+
+def saved_tokenizer(ckpt: dict[str, Any], where: str | Path) -> dict[str, str] | None:
+    """The tokenizer a checkpoint carries, as files written back by this attnlab's code (so two checkpoints of one
+    tokenizer compare equal whichever version wrote them), or None for one that carries none (an older attnlab)."""
+    files = ckpt.get("tokenizer")
+    return Tokenizer.from_files(files, str(where)).to_files() if isinstance(files, dict) else None
+
+
 def check_compatible(ckpt: dict[str, Any], model_cfg: ModelConfig, path: str | Path) -> None:
     """Refuse a checkpoint trained with a different model config, naming the fields that differ."""
-    # a field added after the checkpoint was written holds its default there (ModelConfig.from_dict does the same)
-    saved = {**ModelConfig().to_dict(), **ckpt["hyper_parameters"].get("model", {})}
+    saved = saved_model(ckpt)
     now = model_cfg.to_dict()
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diff:
@@ -168,10 +180,8 @@ def check_same_tokenizer(ckpt: dict[str, Any], tokenizer: Tokenizer, path: str |
     """Refuse to resume a checkpoint whose tokenizer is not the one the recipe's data builds now: its token ids
     would mean other pieces. Compared as loaded (each side written back by the same code); a checkpoint that
     carries no tokenizer (an older attnlab) is not checked."""
-    saved = ckpt.get("tokenizer")
-    if not isinstance(saved, dict):
-        return
-    if Tokenizer.from_files(saved, str(path)).to_files() != Tokenizer.from_files(tokenizer.to_files(), "").to_files():
+    saved = saved_tokenizer(ckpt, path)
+    if saved is not None and saved != saved_tokenizer({"tokenizer": tokenizer.to_files()}, "the recipe's tokenizer"):
         raise ConfigError(f"{path} was trained with another tokenizer than the one this recipe's data builds (a "
                           "data.* setting that shapes it changed: the corpus, its splits, the vocabulary size or "
                           "the lines it learns from); resume with the recipe it was trained with, or start another "
@@ -285,17 +295,14 @@ TRAINING_ONLY = ("dropout", "attn_dropout", "z_loss", "init_std")
 def same_model(paths: Sequence[str], ckpts: Sequence[dict[str, Any]]) -> None:
     """Refuse to average checkpoints of different models: a model config field other than TRAINING_ONLY, or the
     tokenizer, differs from the last file's (the one whose config and tokenizer the result keeps)."""
-    def model(c: dict[str, Any]) -> dict[str, Any]:
-        return {**ModelConfig().to_dict(), **c.get("hyper_parameters", {}).get("model", {})}
-
-    ref = model(ckpts[-1])
+    ref, ref_tokenizer = saved_model(ckpts[-1]), saved_tokenizer(ckpts[-1], paths[-1])
     for p, c in zip(paths[:-1], ckpts[:-1], strict=True):
-        here = model(c)
+        here = saved_model(c)
         diff = [f"model.{k}: {here.get(k)!r} vs {ref.get(k)!r}" for k in sorted(set(here) | set(ref))
                 if k not in TRAINING_ONLY and here.get(k) != ref.get(k)]
         if diff:
             raise ConfigError(f"cannot average {p} with {paths[-1]}: a different model config: " + "; ".join(diff))
-        if c.get("tokenizer") != ckpts[-1].get("tokenizer"):
+        if saved_tokenizer(c, p) != ref_tokenizer:
             raise ConfigError(f"cannot average {p} with {paths[-1]}: they carry different tokenizers (the same "
                               "token ids mean other pieces)")
 
