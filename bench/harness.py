@@ -3,16 +3,26 @@ process, timing with device syncs, peak memory, peers that may be missing, and t
 
 Every benchmark row runs in its own try block: a peer whose package is missing is reported as skipped with
 the reason, and any other failure as failed with its error, so one broken row never costs the others
-(device time is scarce)."""
+(device time is scarce).
+
+Every JSON a benchmark writes carries its `provenance` (`PROVENANCE_KEYS`): the commit and whether the tree
+differed from it, the device, the NVIDIA driver, the versions of torch, CUDA, transformers and CTranslate2, the
+command line and the start and end in UTC. `write_json` (the row tables) and `write_record` (any other dict) add
+it; bench/results.py refuses a raw file that lacks it."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import gc
 import importlib
+import importlib.metadata
 import json
+import os
 import platform
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -29,6 +39,7 @@ class Env:
     small: bool
     amp: torch.dtype | None  # autocast dtype for training (bf16 on CUDA), None = fp32
     peak_flops: float  # measured matmul FLOP/s: bf16 on CUDA, fp32 on CPU
+    started: float = dataclasses.field(default_factory=time.time)  # Unix time before the first row: provenance
 
     @property
     def cuda(self) -> bool:
@@ -164,7 +175,97 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def write_json(path: Path | None, env: Env, rows: list[dict], argv: list[str]) -> None:
+    """The rows of a benchmark table, with the run's `env` line, command and provenance."""
     if path is None:
         return
+    write_record(path, {"env": env.describe(), "command": " ".join(argv), "rows": rows}, argv, env.device,
+                 env.started)
+
+
+# ------------------------------------------------------------------------------------------------ provenance
+PROVENANCE_KEYS = ("git_commit", "git_dirty", "device", "nvidia_driver", "torch", "cuda", "transformers",
+                   "ctranslate2", "python", "argv", "started_utc", "ended_utc")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_record(path: Path, record: dict, argv: list[str], device: torch.device | str | None = None,
+                 started: float | None = None) -> None:
+    """`record` as JSON at `path`, with `provenance(argv, device, started)` added under "provenance"."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"env": env.describe(), "command": " ".join(argv), "rows": rows}, indent=1))
+    out = {**record, "provenance": provenance(argv, device, started)}
+    path.write_text(json.dumps(out, indent=1), encoding="utf-8")
+
+
+def provenance(argv: list[str], device: torch.device | str | None = None, started: float | None = None) -> dict:
+    """Where a result comes from (`PROVENANCE_KEYS`), None for what this machine cannot tell:
+    git_commit, git_dirty   HEAD of the checkout the script runs from, and whether a tracked file differs from
+                            it (untracked files are not counted); outside a git checkout (a copy of the tree on
+                            a device machine) ATTNLAB_GIT_COMMIT / ATTNLAB_GIT_DIRTY (true/false) if set, else None
+    device                  the GPU's name on CUDA, else the CPU's model ("CPU: ..."); None: CUDA if present
+    nvidia_driver           nvidia-smi's driver_version, else /proc/driver/nvidia/version's; None without either
+    torch, cuda             torch.__version__, torch.version.cuda (None on a CPU build)
+    transformers, ctranslate2, python   installed versions (None when not installed)
+    argv                    the command line as the script got it
+    started_utc, ended_utc  ISO 8601 UTC: `started` (Unix time; default now) and now"""
+    commit, dirty = git_state()
+    return {"git_commit": commit, "git_dirty": dirty, "device": device_name(device),
+            "nvidia_driver": nvidia_driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": installed("transformers"), "ctranslate2": installed("ctranslate2"),
+            "python": platform.python_version(), "argv": [str(a) for a in argv],
+            "started_utc": utc(started if started is not None else time.time()), "ended_utc": utc(time.time())}
+
+
+def utc(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:  # not a checkout: what whoever copied the tree says, if anything
+        dirty = os.environ.get("ATTNLAB_GIT_DIRTY", "").lower()
+        return os.environ.get("ATTNLAB_GIT_COMMIT") or None, {"true": True, "false": False}.get(dirty)
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return commit.strip(), None if status is None else bool(status.strip())
+
+
+def device_name(device: torch.device | str | None) -> str:
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                             else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    except OSError:
+        model = None
+    return f"CPU: {model.group(1).strip() if model else platform.processor() or platform.machine()}"
+
+
+def nvidia_driver() -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..."
+        found = re.search(r"Kernel Module\s+(\S+)", Path("/proc/driver/nvidia/version").read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
