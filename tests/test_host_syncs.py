@@ -72,7 +72,7 @@ def test_steady_training_steps_make_no_host_sync(tmp_path, task):
 def test_only_the_steps_that_log_call_lightnings_log(tmp_path, monkeypatch):
     """LightningModule.log costs ~1 ms of host time a call (it moves its whole record through apply_to_collection):
     the training steps call it only when their values reach the loggers (every trainer.log_every steps), and
-    those steps still log loss, nll, lr, tokens, tokens/s and the gradient norm."""
+    those steps still log loss, nll, lr, tokens, tokens/s, the wall clock and the gradient norm."""
     import lightning.pytorch as pl
 
     calls: dict[int, set[str]] = {}
@@ -87,4 +87,4 @@ def test_only_the_steps_that_log_call_lightnings_log(tmp_path, monkeypatch):
     fit(load_experiment(recipe_for("translation", tmp_path)))
     assert sorted(calls) == list(range(LOG_EVERY, 17, LOG_EVERY)), sorted(calls)
     assert all(names == {"train/loss", "train/nll", "train/lr", "train/tokens", "train/tokens_per_s",
-                         "train/grad_norm"} for names in calls.values()), calls
+                         "train/time", "train/grad_norm"} for names in calls.values()), calls

@@ -30,7 +30,7 @@ class BaseModule(L.LightningModule):
 
     # The curves it logs to metrics.csv: train/<name> every trainer.log_every steps, val/<name> at each validation
     # (test/<name> only under trainer.test, which fit does not run). An ablation's metric is checked against them.
-    TRAIN_CURVES: tuple[str, ...] = ("loss", "nll", "lr", "tokens_per_s", "tokens", "grad_norm")
+    TRAIN_CURVES: tuple[str, ...] = ("loss", "nll", "lr", "tokens_per_s", "tokens", "time", "grad_norm")
     EVAL_CURVES: tuple[str, ...] = ("loss", "ppl")
 
     @classmethod
@@ -149,6 +149,9 @@ class BaseModule(L.LightningModule):
         norm = scale_grads_(grads, scale, norm=logging) if grads else None
         if logging:
             self.log("train/tokens", self._tokens.double())
+            # the wall clock beside them (Unix seconds, float64: exact to the microsecond): tokens over the time
+            # between two logged steps, validation and checkpoints included, is the fit's speed by the clock
+            self.log("train/time", torch.tensor(time.time(), dtype=torch.float64))
             if norm is not None:
                 self.log("train/grad_norm", norm)
 
