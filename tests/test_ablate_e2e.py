@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from attnlab.ablate.columns import Column
-from attnlab.ablate.figures import plot
-from attnlab.ablate.final import read_lines
-from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import Options, run_study
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect
+from attnlab.analysis.columns import Column
+from attnlab.analysis.figures import plot
+from attnlab.analysis.hypotheses import read_lines
+from attnlab.analysis.report import write_table
 from attnlab.evaluate import score
 from attnlab.experiment import load_experiment
 from attnlab.rundir import run_metrics

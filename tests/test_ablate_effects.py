@@ -1,4 +1,4 @@
-"""Main effects and interactions of an ablation grid (attnlab.ablate.effects): a linear model of the metric on the
+"""Main effects and interactions of an ablation grid (attnlab.analysis.effects): a linear model of the metric on the
 factors and the seed, checked against scipy's paired t-test where they must agree, against the answer a 2x2 grid
 with a failed trial was built to have, and by simulation for the coverage of its intervals."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from attnlab.ablate import effects
-from attnlab.ablate.columns import SIGNIFICANCE
-from attnlab.ablate.effects import interaction, main_effects, missing_cells
-from attnlab.ablate.report import Row
+from attnlab.analysis import effects
+from attnlab.analysis.columns import SIGNIFICANCE
+from attnlab.analysis.effects import interaction, main_effects, missing_cells
+from attnlab.analysis.report import Row
 
 GRID = [{"A": a, "B": b} for a in ("a0", "a1") for b in ("b0", "b1")]  # the 2x2 grid's cells
 SEED_EFFECT = {1: 0.0, 2: 1.5, 3: -2.0}

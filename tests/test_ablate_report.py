@@ -24,13 +24,14 @@ from optuna.distributions import CategoricalDistribution
 from scipy import stats
 
 from attnlab.ablate.budget import step_cost
-from attnlab.ablate.figures import plot
-from attnlab.ablate.final import evaluate_run, read_lines, write_lines
-from attnlab.ablate.report import write_table
+from attnlab.ablate.final import evaluate_run, write_lines
 from attnlab.ablate.runner import run_study
 from attnlab.ablate.spec import load_spec
-from attnlab.ablate.stats import holm, paired_bootstrap, rank_correlation
 from attnlab.ablate.study import connect
+from attnlab.analysis.figures import plot
+from attnlab.analysis.hypotheses import read_lines
+from attnlab.analysis.report import write_table
+from attnlab.analysis.stats import holm, paired_bootstrap, rank_correlation
 from attnlab.checkpoints import average_checkpoints
 from attnlab.cli import main
 from attnlab.config import ModelConfig

@@ -25,9 +25,7 @@ import torch
 from optuna.trial import TrialState
 
 from attnlab.ablate.devices import default_workers, gpu_slices
-from attnlab.ablate.figures import plot
 from attnlab.ablate.final import write_lines
-from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import (
     Options,
     _create_running,
@@ -38,6 +36,8 @@ from attnlab.ablate.runner import (
 )
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import OwnedLock, connect, format_status, point_states, prepare_study
+from attnlab.analysis.figures import plot
+from attnlab.analysis.report import write_table
 from attnlab.checkpoints import checkpoint_step
 from attnlab.cli import main
 from attnlab.config import ConfigError

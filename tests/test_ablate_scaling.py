@@ -1,4 +1,4 @@
-"""Scaling curves (attnlab.ablate.scaling, scaling_report): the power-law fit against synthetic studies whose laws
+"""Scaling curves (attnlab.analysis.scaling, scaling_report): the power-law fit against synthetic studies whose laws
 are known, and `attnlab ablate scaling` over a study with a scale: ladder and an lr: search, trained by a stand-in
 whose final validation loss follows a known law in the compute the accounting gives it."""
 
@@ -15,10 +15,10 @@ import pytest
 
 from attnlab.ablate.budget import step_cost
 from attnlab.ablate.runner import run_study, trial_experiment
-from attnlab.ablate.scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
-from attnlab.ablate.scaling_report import Curve, collect_curves, fit_curves, interval, size_transfer
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect
+from attnlab.analysis.scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
+from attnlab.analysis.scaling_report import Curve, collect_curves, fit_curves, interval, size_transfer
 from attnlab.cli import main
 from attnlab.config import ConfigError
 from test_ablate_runner import FAST, TINY_LM, fake_fit, write_study

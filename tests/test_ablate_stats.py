@@ -1,4 +1,4 @@
-"""The significance tests of the ablation tables (attnlab.ablate.stats) on synthetic systems whose true effect is
+"""The significance tests of the ablation tables (attnlab.analysis.stats) on synthetic systems whose true effect is
 known: sacreBLEU's paired bootstrap (its command line gives the same p-values), Welch's t-test, t intervals and
 Holm's correction against their formulas."""
 
@@ -19,10 +19,19 @@ import sacrebleu
 from sacrebleu.metrics import BLEU
 from scipy import stats
 
-from attnlab.ablate.columns import SIGNIFICANCE
-from attnlab.ablate.final import read_lines, write_lines
-from attnlab.ablate.report import Row, compare, metric_cells
-from attnlab.ablate.stats import bootstrap_rows, corpus_score, holm, paired_bootstrap, rank_intervals, t_interval, welch
+from attnlab.ablate.final import write_lines
+from attnlab.analysis.columns import SIGNIFICANCE
+from attnlab.analysis.hypotheses import read_lines
+from attnlab.analysis.report import Row, compare, metric_cells
+from attnlab.analysis.stats import (
+    bootstrap_rows,
+    corpus_score,
+    holm,
+    paired_bootstrap,
+    rank_intervals,
+    t_interval,
+    welch,
+)
 from conftest import make_pairs
 
 REFS = [de for _, de in make_pairs(150, seed=3)]

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from attnlab.ablate.report import write_table
 from attnlab.ablate.runner import Options, run_study, worker_command
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect, prepare_study
+from attnlab.analysis.report import write_table
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))

@@ -27,9 +27,9 @@ import torch
 from optuna.trial import TrialState
 
 from attnlab import cli
-from attnlab.ablate.report import write_table
 from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect
+from attnlab.analysis.report import write_table
 from attnlab.cli import main
 from attnlab.launch.slurm import Resources, check_path, check_study_name, render, time_seconds
 from attnlab.rundir import run_metrics

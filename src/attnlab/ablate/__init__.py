@@ -12,10 +12,10 @@ significance tests, main effects and plots.
                                                                      # an array job of workers (submit.py)
 
 A trial is the same `attnlab.train.fit` a user runs by hand, in its own run directory, then its final evaluation.
-The modules: spec.py (the ablation file) with columns.py (its metric, columns and significance settings),
-study.py (the study in its optuna storage, the state of every point, a trial's stored values), runner.py
-(workers claiming and running points) with params.py (a trial's optuna params), budget.py (equal-FLOPs
-budgets), final.py (the final evaluation), submit.py (SLURM array jobs), report.py (tables), stats.py
-(significance tests), effects.py (main effects, transfer between studies), figures.py (plots), commands.py
-(the `attnlab ablate` subcommands).
+The modules: spec.py (the ablation file; its metric, columns and significance settings are parsed by
+attnlab.analysis.columns), study.py (the study in its optuna storage, the state of every point, a trial's stored
+values), runner.py (workers claiming and running points) with params.py (a trial's optuna params), budget.py
+(equal-FLOPs budgets), final.py (the final evaluation), submit.py (SLURM array jobs), commands.py (the
+`attnlab ablate` subcommands). Reading a finished study (tables, significance, effects, plots, scaling fits) is
+attnlab.analysis, which never imports the runner.
 """

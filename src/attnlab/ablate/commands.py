@@ -9,17 +9,17 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ..analysis.effects import compare_studies, effects_report
+from ..analysis.figures import plot
+from ..analysis.report import write_table
+from ..analysis.scaling_report import collect_curves, scaling_report, size_transfer
 from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit, stop_status, worker_signals
 from ..launch.slurm import add_slurm_args, slurm_status
 from .budget import budget_warnings
 from .devices import default_workers, trial_devices, visible_gpus
-from .effects import compare_studies, effects_report
-from .figures import plot
 from .final import DEFAULT_EVALUATE, evaluate_study
-from .report import write_table
 from .runner import options_from, run_study, work
-from .scaling_report import collect_curves, scaling_report, size_transfer
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
 from .submit import submit_study

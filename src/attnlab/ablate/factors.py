@@ -9,9 +9,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from ..analysis.columns import need as _need
 from ..config import ConfigError
 from ..experiment import field_type
-from .columns import need as _need
 
 DIST_TYPES = ("float", "int", "log", "categorical")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

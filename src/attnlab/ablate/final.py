@@ -53,12 +53,6 @@ def write_lines(path: Path, lines: list[str]) -> None:
     write_texts_atomic({path: lines_text(lines)})
 
 
-def read_lines(path: Path) -> list[str]:
-    """A .hyp / .ref file's segments, read as sacreBLEU's command line reads them."""
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip() for line in f]
-
-
 def eval_device(exp: Experiment) -> str:
     return "cuda" if torch.cuda.is_available() and exp.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu"
 

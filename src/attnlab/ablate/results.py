@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..analysis.columns import kept_curve
 from ..checkpoints import checkpoint_step, latest_checkpoint
 from ..config import ModelConfig, load_yaml
 from ..experiment import Experiment
 from ..models.accounting import count_parameters
 from ..rundir import run_metrics
 from .budget import StepCost, step_cost
-from .columns import kept_curve
 
 
 def collect(run_dir: Path, exp: Experiment, metric: str, cost: StepCost | None = None) -> dict[str, Any]:

@@ -46,9 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, load_yaml
-from ..experiment import TASKS, Experiment, apply_override, from_raw, load_raw
-from .columns import (
+from ..analysis.columns import (
     DEFAULT_COLUMNS,
     DEFAULT_TABLE,
     SIGNIFICANCE,
@@ -57,7 +55,9 @@ from .columns import (
     parse_columns,
     parse_significance,
 )
-from .columns import need as _need
+from ..analysis.columns import need as _need
+from ..config import ConfigError, load_yaml
+from ..experiment import TASKS, Experiment, apply_override, from_raw, load_raw
 from .factors import (
     Distribution,
     Variant,

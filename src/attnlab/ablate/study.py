@@ -3,8 +3,8 @@
 Each grid point is a (variant, seed) with a stable `point_id`; a search's points are made by its trials. A
 trial's state and user attrs (status, heartbeat, worker) say where its point stands: done, invalid, running,
 stale (a worker stopped stamping its heartbeat), failed (more failed attempts than `retries`) or pending.
-runner.py claims and runs points; report.py turns the finished ones into tables and plots, reading each
-trial's value of a metric with `trial_value` (a final score, or the last value of a logged curve).
+runner.py claims and runs points; attnlab.analysis turns the finished ones into tables and plots, reading
+each trial's value of a metric with `trial_value` (a final score, or the last value of a logged curve).
 """
 
 from __future__ import annotations

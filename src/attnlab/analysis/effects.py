@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from .factors import fmt
+from ..ablate.factors import fmt
+from ..ablate.study import StudyHandle
 from .report import Row, collect_rows, digits
 from .stats import correlation_text, fit_linear, rank_correlation, rank_intervals
-from .study import StudyHandle
 
 Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "variant": "(A) h=1"}
 

@@ -24,12 +24,12 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from ..ablate.factors import fmt
+from ..ablate.study import DONE, FAILED, INVALID, StudyHandle, final_scores, point_states, trial_value
 from ..experiment import SECTIONS
 from .columns import FINAL_METRIC, Column
-from .factors import fmt
-from .final import read_lines
+from .hypotheses import read_lines
 from .stats import Comparison, bootstrap_rows, holm, t_interval, version, welch
-from .study import DONE, FAILED, INVALID, StudyHandle, final_scores, point_states, trial_value
 
 BUILT_IN_ATTRS = {"flops": "flops_per_token", "steps": "steps", "tokens": "tokens",
                   "tokens_per_s": "tokens_per_s", "wall": "wall_s"}

@@ -15,9 +15,9 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ..ablate.study import StudyHandle
 from .columns import FINAL_METRIC
 from .report import Row, collect_rows
-from .study import StudyHandle
 
 Curve = list[list[float]]  # [[step, value], ...] as the trials store them
 

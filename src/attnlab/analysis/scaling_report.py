@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..ablate.study import DONE, StudyHandle, point_states, trial_value
 from .report import latex_escape
 from .scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
 from .stats import correlation_text, rank_correlation, rank_intervals
-from .study import DONE, StudyHandle, point_states, trial_value
 
 Points = dict[int, tuple[float, float]]  # seed -> (training FLOPs, final validation loss)
 RESAMPLES = 200
