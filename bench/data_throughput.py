@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import write_record
 
 
 def make_corpus(prefix: Path, n: int, seed: int = 0) -> None:
@@ -112,7 +113,8 @@ def run_size(n: int, root: Path, max_tokens: int) -> list[dict]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    started = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, nargs="+", default=[250_000, 1_000_000], help="corpus sizes to run")
     ap.add_argument("--max-tokens", type=int, default=8192)
@@ -121,7 +123,7 @@ def main() -> None:
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--prefix", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.phase:
         print(json.dumps(phase(args.phase, Path(args.prefix), Path(args.cache), args.max_tokens)))
         return
@@ -131,8 +133,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, tokenizers {tokenizers.__version__}, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         results = [r for n in args.pairs for r in run_size(n, Path(tmp), args.max_tokens)]
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.json:  # {"rows": [...], "provenance": {...}}
+        write_record(Path(args.json), {"rows": results}, sys.argv if argv is None else argv, "cpu", started)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training steps on batches of changing shape, with SDPA's cuDNN kernel allowed and without (CUDA only).
 
-    python bench/sdpa_variable_shapes.py OUT.json
+    python bench/sdpa_variable_shapes.py OUT.json      # the figures, with their provenance (bench/harness.py)
 
 For the demo and the base recipe's model (an 8k vocabulary), 12 bf16 training steps, each on a new (batch, source,
 target) shape of about 4,096 slots with a third of the sources padded, as token-count batches come; then the fixed
@@ -8,7 +8,6 @@ shape of bench/train_throughput.py (encdec/attnlab, lm/attnlab, eager) both ways
 for each new shape: the reason attnlab's attention leaves it out on a GPU (SDPA_GPU_BACKENDS in attention.py).
 """
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput  # noqa: E402
+from harness import write_record  # noqa: E402
 
 from attnlab.experiment import load_experiment  # noqa: E402
 from attnlab.lit.loss import token_loss  # noqa: E402
@@ -53,7 +53,12 @@ def step_times(cfg, steps: int = 12) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    command = sys.argv if argv is None else argv  # what provenance records
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python bench/sdpa_variable_shapes.py OUT.json")
+    started = time.time()
     if not torch.cuda.is_available():
         raise SystemExit("sdpa_variable_shapes.py: needs a CUDA device (SDPA's cuDNN kernel runs only there)")
     out = {}
@@ -70,7 +75,7 @@ def main() -> None:
         attention.SDPA_GPU_BACKENDS = order
         rows = train_throughput.main(["--modes", "eager", "--only", "encdec/attnlab,lm/attnlab"])
         out[f"bench:{name}"] = [(r["task"], r.get("tokens_per_s"), r.get("peak_mem_GiB")) for r in rows]
-    Path(sys.argv[1]).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    write_record(Path(argv[0]), out, command, "cuda", started)
 
 
 if __name__ == "__main__":

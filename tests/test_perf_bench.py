@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCH))
 
 import decode_throughput  # noqa: E402
 import train_throughput  # noqa: E402
+from harness import PROVENANCE_KEYS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +40,7 @@ def test_training_benchmark_rows_skipped_peer_and_json(tmp_path, monkeypatch):
     assert rows["lm/x-transformers"]["status"].startswith("skipped: x_transformers not installed")
     saved = json.loads(out.read_text())
     assert "small size" in saved["env"] and len(saved["rows"]) == 3
+    assert list(saved["provenance"]) == list(PROVENANCE_KEYS)  # tests/test_bench_record.py checks the values
 
 
 def test_a_failing_row_is_recorded_and_the_others_still_run(monkeypatch):
@@ -51,10 +53,12 @@ def test_a_failing_row_is_recorded_and_the_others_still_run(monkeypatch):
     assert rows["lm/attnlab"]["status"] == "ok"
 
 
-def test_decoding_benchmark_rows_decode_exactly_the_fixed_lengths():
+def test_decoding_benchmark_rows_decode_exactly_the_fixed_lengths(tmp_path):
+    out = tmp_path / "decode.json"
     rows = by_model(decode_throughput.main(["--cpu", "--only", "mt/attnlab-beam4,lm/attnlab-graph,mt/marian-greedy",
-                                            "--repeats", "1", "--warmup", "1"]))
+                                            "--repeats", "1", "--warmup", "1", "--json", str(out)]))
     assert all(r["status"] == "ok" for r in rows.values()), rows  # each call checks its output lengths
+    assert list(json.loads(out.read_text())["provenance"]) == list(PROVENANCE_KEYS)
     assert rows["mt/attnlab-beam4"]["sentences_per_s"] > 0 and rows["lm/attnlab-graph"]["tokens_per_s"] > 0
 
 
