@@ -23,6 +23,7 @@ import torch
 
 from . import __version__
 from .ablate.commands import add_ablate_commands, cmd_ablate
+from .best_window import checkpoints_to_average
 from .bleu import compound_split_bleu, read_pair, target_language
 from .checkpoints import average_checkpoints, check_compatible, last_checkpoints, load_checkpoint
 from .cliargs import Parser, check_options, config_help
@@ -169,10 +170,11 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if fit_rank() != 0:  # DDP's other ranks: averaging, decoding and the results are rank 0's
         return 0
     t0 = time.perf_counter()
-    paths = [str(p) for p in last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)]
-    averaged = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"
+    found, at, which = checkpoints_to_average(run_dir, exp.decode.average_last, exp.decode.average_at)
+    paths = [str(p) for p in found]
+    averaged = run_dir / "checkpoints" / f"averaged_{at}{len(paths)}.ckpt"
     avg = average_checkpoints(paths, str(averaged))
-    times[f"average last {len(paths)} checkpoints"] = time.perf_counter() - t0
+    times[f"average {len(paths)} checkpoints"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     module = load_module(averaged, resolved.decode, ckpt=avg)  # the averaged weights as written, not read back
     srcs, refs = dm.split_texts("test")
@@ -182,6 +184,7 @@ def cmd_demo(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     times[f"beam-{exp.decode.beam} decode + score ({len(srcs)} test sentences, {dev})"] = time.perf_counter() - t0
     result["phase_seconds"] = {k: round(v, 1) for k, v in times.items()}
     result["checkpoints_averaged"] = paths
+    result["checkpoints_averaged_which"] = which
     result["translations"] = str(write_translations(run_dir / "demo_translations.jsonl", srcs, refs, hyps))
     (run_dir / "demo_results.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
     print(f"\n{'=' * 78}\n{result['bleu_detail']}\nchrF2 = {result['chrf']:.2f}")

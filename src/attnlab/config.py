@@ -425,6 +425,9 @@ class DecodeConfig(StrictConfig):
     # sorted by length, the last batch gathers the long tail (on the demo's test split, 22 sentences padded to 670)
     max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest); 0 = no limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
+    # last: the last average_last step checkpoints; best: as many ending at the validation with the lowest loss
+    # (best_window.py: a short run on a small corpus is past its best by its end)
+    average_at: str = "last"
     engine: str = "attnlab"  # what decodes test, translate, demo, the final evaluation: attnlab | ctranslate2
     # On an H100 (bench/RESULTS.md, 2026-11-26): 4.1x HF Marian greedy and 2.6x beam 4, against 1.35x and 1.26x
     # without; tests/test_gpu.py checks its tokens inside the module under bf16 autocast. Ignored on a CPU, for ALiBi
@@ -435,6 +438,7 @@ class DecodeConfig(StrictConfig):
         check_types(self, "decode")
         one_of("penalty", self.penalty, ("gnmt", "fairseq"), "decode")
         one_of("engine", self.engine, ("attnlab", "ctranslate2"), "decode")
+        one_of("average_at", self.average_at, ("last", "best"), "decode")
         for key in ("beam", "val_beam", "batch_sentences", "average_last"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"decode.{key}={getattr(self, key)} must be >= 1")

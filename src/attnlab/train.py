@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from .best_window import BestWindow
 from .bleu import sacrebleu_bleu
 from .checkpoints import (
     AtomicCheckpointIO,
@@ -200,6 +201,8 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         save_on_train_epoch_end=True,
     )
     callbacks = [ckpt, RedoCutValidation(), *callbacks, *(extra_callbacks or [])]
+    if exp.task == "translation" and exp.decode.average_at == "best":  # the checkpoints at the lowest val/loss
+        callbacks.append(BestWindow(run_dir / "checkpoints", exp.decode.average_last))
     if exp.optim.accumulate > 1:
         callbacks.append(SigtermAtStepEnd())
     if t.val_every_min or t.ckpt_every_min:  # intervals that last at least so long on a fast device

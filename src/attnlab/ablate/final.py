@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.environments import LightningEnvironment
 
-from ..checkpoints import average_checkpoints, last_checkpoints
+from ..best_window import checkpoints_to_average
+from ..checkpoints import average_checkpoints
 from ..evaluate import decode_dtype, load_module, score, translate_lines
 from ..experiment import Experiment, load_experiment
 from ..files import write_texts_atomic
@@ -62,12 +63,12 @@ def evaluate_run(exp: Experiment, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
     dm, resolved = prepare(exp)
-    paths = last_checkpoints(run_dir / "checkpoints", exp.decode.average_last)
+    paths, at, which = checkpoints_to_average(run_dir, exp.decode.average_last, exp.decode.average_at)
     if not paths:
         raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoints to evaluate")
     ckpt, averaged = paths[-1], None
     if len(paths) > 1:
-        ckpt = run_dir / "checkpoints" / f"averaged_last{len(paths)}.ckpt"
+        ckpt = run_dir / "checkpoints" / f"averaged_{at}{len(paths)}.ckpt"
         averaged = average_checkpoints(paths, ckpt)  # written to ckpt, and loaded from memory here
     translation = exp.task == "translation"
     module = load_module(ckpt, resolved.decode if translation else None, ckpt=averaged)
