@@ -53,7 +53,11 @@ def wall_clock(run_dir: Path, warm_step: int | None = None) -> dict | None:
     train/time. tokens_per_s is all GPUs' when their number is not in the run's config (gpus None)."""
     curves = run_metrics(run_dir)
     clock, tokens = dict(curves.get("train/time", [])), dict(curves.get("train/tokens", []))
-    steps = sorted(set(clock) & set(tokens))
+    steps = []
+    for s in sorted(set(clock) & set(tokens)):
+        # a validation's row can repeat the last logged step's train values under its own step: not a new point
+        if not steps or clock[s] != clock[steps[-1]]:
+            steps.append(s)
     if not clock:
         return None
     if len(steps) < 2:

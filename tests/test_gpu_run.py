@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["gpu_tests", "train_eager", "train_compile", "decode", "padded_attn", "demo_fit", "demo_bench", "decode_ct2",
-         "base_bleu", "base_bench", "ablation"]
+STEPS = ["gpu_tests", "train_compile", "base_fit", "base_bench", "decode_ct2", "base_bleu", "base_peer", "ablation",
+         "train_eager", "decode", "padded_attn", "demo_fit", "demo_bench"]
+PEER = ROOT.parent / "shared" / "peers" / "peer_demo.py"  # the hand-written peer beside a checkout, where there is one
 
 
 def gpu_run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -27,14 +28,24 @@ def test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder(tmp_pa
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = (out / "summary.md").read_text(encoding="utf-8")
     for step in STEPS:
+        if step == "base_peer" and not PEER.is_file():
+            assert "| base_peer | skipped (no peer at" in summary, summary
+            continue
         assert f"| {step} | ok |" in summary, summary
         assert (out / f"{step}.log").stat().st_size > 0
+    assert [line.split(" | ")[0][2:] for line in summary.splitlines() if line.startswith("| ")][1:] == STEPS  # parts'
+    # order
     for name in ("train_eager", "train_compile", "decode", "demo_bench", "decode_ct2"):
         rows = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))["rows"]
         assert rows and all(row["status"] == "ok" for row in rows), rows
     routes = {r["route"]: r for r in json.loads((out / "padded_attn.json").read_text(encoding="utf-8"))["rows"]}
     assert all(routes[r]["status"] == "ok" for r in ("sdpa_mask", "sdpa_nomask", "jagged", "flex")), routes
     assert routes["jagged"]["max_err"] < 1e-4 and routes["flex"]["max_err"] < 1e-4  # each agrees with the mask
+    if PEER.is_file():  # the peer on base_bleu's split, scored beside attnlab's hypotheses of the same sentences
+        peer = json.loads((out / "base_peer.json").read_text(encoding="utf-8"))
+        assert peer["peer"]["sentences"] == 40 and peer["sentences_compared"].startswith("40 of attnlab's")
+        assert peer["peer"]["bleu_signature"] == peer["attnlab"]["bleu_signature"] and peer["peer_steps"] > 0
+        assert set(peer["paired_bootstrap"]) == {"BLEU", "chrF2"}
     for name in ("demo_fit", "base_fit"):
         fit = json.loads((out / f"{name}.json").read_text(encoding="utf-8"))
         assert fit["fit_tokens_per_s"] > 0 and fit["bench_tokens_per_s"] > 0 and fit["fit_over_bench"] > 0
@@ -75,3 +86,20 @@ def test_base_args_reach_the_base_run(tmp_path):
     config = (out / "runs" / "gpu_base" / "config.yaml").read_text(encoding="utf-8")
     assert "norm_position: pre" in config and "warmup_steps: 7" in config
     assert json.loads((out / "base_bleu.json").read_text(encoding="utf-8"))["sentences"] > 100
+
+
+def test_parts_and_carry_are_checked_before_anything_runs(tmp_path):
+    """--part N is one of the lists of steps sized for one call of a lent machine; a wrong one, --part with --only,
+    a --carry folder without wheels, and part 4 (the peer) before part 3 made its split: each stops at once."""
+    for args, message in ((["--part", "7"], "--part 7: give 1 to 6"),
+                          (["--part", "1", "--only", "gpu_tests"], "give --part or --only, not both"),
+                          (["--carry", str(tmp_path / "none")], f"--carry {tmp_path / 'none'}: no wheels folder")):
+        r = gpu_run("--dry-run", "--out", str(tmp_path / "o"), *args, timeout=120)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "o" / "summary.md").exists()
+    r = gpu_run("--dry-run", "--out", str(tmp_path / "p"), "--part", "4", timeout=120)
+    summary = (tmp_path / "p" / "summary.md").read_text(encoding="utf-8")
+    if PEER.is_file():
+        assert r.returncode == 1 and "| base_peer | failed (no split under" in summary and "run part 3 first" in summary
+    else:
+        assert r.returncode == 0 and "| base_peer | skipped (no peer at" in summary
