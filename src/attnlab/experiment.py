@@ -32,6 +32,7 @@ from .config import (
     parse_yaml,
 )
 from .data.config import LOCALE_DIRS, DataConfig
+from .lit.fused_loss import FUSED_LOSSES, unsupported
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")  # Lightning's loggers that trainer.loggers names
 
@@ -58,6 +59,10 @@ class TrainConfig(StrictConfig):
     strategy: str = "auto"  # auto | ddp | fsdp
     compile: bool = False  # torch.compile each block
     loss_chunk: int = 0  # > 0: training loss without the batch's logits, this many tokens at a time; 0 = plain
+    # the training loss by a fused kernel library (the gpu extra, lit/fused_loss.py): auto | liger | cce | off. auto:
+    # on CUDA liger, else cce, where installed and able to compute the loss (it then takes precedence over
+    # loss_chunk); elsewhere off, the logits path (plain, or chunked by loss_chunk)
+    fused_loss: str = "auto"
     seed: int = 1  # seed of initialisation, dropout and batch order
     deterministic: bool = False  # torch's deterministic algorithms: a GPU run repeats bit for bit (slower); an op
     # without a deterministic kernel stops the run, naming it
@@ -88,7 +93,20 @@ class TrainConfig(StrictConfig):
             raise ConfigError(f"trainer.loss_chunk={self.loss_chunk} must be >= 0 (0 = the plain loss)")
         if self.loss_chunk and self.strategy == "fsdp":  # it reads the output weight outside the sharded forward
             raise ConfigError("trainer.loss_chunk is not supported with trainer.strategy=fsdp")
+        one_of("fused_loss", self.fused_loss, FUSED_LOSSES, "trainer")
+        if self.fused_loss in ("liger", "cce") and self.strategy == "fsdp":  # as loss_chunk: the weight, unsharded
+            raise ConfigError(f"trainer.fused_loss={self.fused_loss} is not supported with trainer.strategy=fsdp "
+                              "(auto is off there)")
+        if self.fused_loss in ("liger", "cce") and self.loss_chunk:
+            raise ConfigError(f"trainer.fused_loss={self.fused_loss} and trainer.loss_chunk={self.loss_chunk} both "
+                              "choose how the loss avoids the logits: set trainer.loss_chunk 0, or trainer.fused_loss "
+                              "auto (the library on CUDA, the chunks elsewhere) or off")
 
+
+    @property
+    def fused_loss_choice(self) -> str:
+        """trainer.fused_loss as the LightningModule takes it: auto is off under FSDP (see loss_chunk)."""
+        return "off" if self.strategy == "fsdp" else self.fused_loss
 
     @property
     def logger_names(self) -> list[str]:
@@ -142,6 +160,9 @@ class Experiment:
             raise ConfigError("model.tie_embeddings=all shares one table between source and target, which needs one "
                               "vocabulary: data.joint_vocab=false trains two; set data.joint_vocab true, or "
                               "model.tie_embeddings decoder (or none)")
+        why = unsupported(self.trainer.fused_loss, self.optim.label_smoothing, m.z_loss)
+        if why is not None:
+            raise ConfigError(f"trainer.fused_loss={self.trainer.fused_loss}: {why}")
         if m.arch == "encoder_decoder" and m.position == "learned" and m.max_seq_len < d.max_len:
             raise ConfigError(f"model.position=learned has model.max_seq_len={m.max_seq_len} positions, fewer than "
                               f"the data.max_len={d.max_len} tokens a training sequence may have: raise "
@@ -165,7 +186,8 @@ class Experiment:
     def config_hash(self) -> str:
         """Identity of what is trained: everything but where and how it is logged."""
         d = self.to_dict()
-        for k in ("runs_dir", "run_name", "progress_bar", "log_every", "loss_chunk", "loggers"):  # chunks: same loss
+        same_loss = ("loss_chunk", "fused_loss")  # how the loss avoids the logits, not which loss
+        for k in ("runs_dir", "run_name", "progress_bar", "log_every", *same_loss, "loggers"):
             d["trainer"].pop(k)
         d["decode"].pop("max_tokens")  # how test and translate batch their decoding
         d["decode"].pop("engine")  # and what decodes

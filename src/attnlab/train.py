@@ -47,6 +47,7 @@ from .files import DiskFull
 from .intervals import StretchIntervals, saved_steps
 from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
+from .lit.fused_loss import resolve_fused_loss
 from .models.block import Block
 from .progress import progress_callback
 from .rundir import archive_previous, clear_fit_done, keep_metrics, mark_fit_done, write_run_dir
@@ -75,7 +76,7 @@ def resolve_model(exp: Experiment, dm) -> Experiment:
 
 def make_module(exp: Experiment, dm=None):
     kw = {"model": exp.model.to_dict(), "optim": exp.optim.to_dict(), "compile": exp.trainer.compile,
-          "loss_chunk": exp.trainer.loss_chunk}
+          "loss_chunk": exp.trainer.loss_chunk, "fused_loss": exp.trainer.fused_loss_choice}
     if exp.task == "translation":
         module = Seq2SeqModule(decode=exp.decode.to_dict(), bos_id=getattr(dm, "bos_id", 1),
                                eos_id=getattr(dm, "eos_id", 2), tgt_lang=exp.data.tgt_lang, **kw)
@@ -99,6 +100,8 @@ def check_extras(exp: Experiment) -> None:
                           f"pip install 'attnlab[{','.join(missing)}]' (or drop it from trainer.loggers)")
     if exp.task == "translation":
         sacrebleu_bleu(exp.data.tgt_lang)  # the validation BLEU's tokenizer for the target language
+    cuda = t.accelerator in ("auto", "gpu") and torch.cuda.is_available()  # the module checks its device at fit start
+    resolve_fused_loss(t.fused_loss_choice, "cuda" if cuda else "cpu", exp.optim.label_smoothing, exp.model.z_loss)
 
 
 def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:

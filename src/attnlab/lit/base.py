@@ -13,6 +13,7 @@ from torchmetrics.aggregation import SumMetric
 
 from ..config import ModelConfig, OptimConfig
 from ..models.transformer import build_model
+from .fused_loss import FUSED_LOSSES, fused_linear_cross_entropy, resolve_fused_loss
 from .loss import linear_cross_entropy, token_loss
 from .optim import make_optimizer, make_scheduler, scale_grads_
 
@@ -38,7 +39,8 @@ class BaseModule(L.LightningModule):
         """Every curve a fit with this module logs: train/loss, ..., val/loss, ..."""
         return tuple(f"train/{n}" for n in cls.TRAIN_CURVES) + tuple(f"val/{n}" for n in cls.EVAL_CURVES)
 
-    def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0) -> None:
+    def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0,
+                 fused_loss: str = "auto") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model_cfg = ModelConfig.from_dict(model)
@@ -46,6 +48,9 @@ class BaseModule(L.LightningModule):
         self.model = build_model(self.model_cfg)
         self._compile = compile
         self.loss_chunk = loss_chunk  # > 0: training loss from hidden states, this many tokens at a time
+        self.fused_loss = fused_loss  # auto | liger | cce | off: a fused kernel library's loss (lit/fused_loss.py)
+        if fused_loss not in FUSED_LOSSES:  # the device and the library are checked at fit start (on_fit_start)
+            raise ValueError(f"fused_loss={fused_loss!r} is not one of: {', '.join(FUSED_LOSSES)}")
         self._last_step_time: float | None = None
         self._val_start: float | None = None
         self._rng_to_restore: dict | None = None
@@ -72,16 +77,35 @@ class BaseModule(L.LightningModule):
         smoothing = self.optim_cfg.label_smoothing if self.training else 0.0
         return token_loss(logits, target, cfg.pad_id, smoothing, cfg.z_loss if self.training else 0.0)
 
-    def train_loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The training loss of the model's output: logits (B, T, V), or with loss_chunk the final hidden states
-        (B, T, d), whose logits are never materialised for the whole batch (linear_cross_entropy)."""
-        if not self.loss_chunk:
+    @property
+    def loss_kernel(self) -> str:
+        """What computes the training loss on this module's device: liger | cce (trainer.fused_loss, which takes
+        precedence where it resolves to a library), chunked (trainer.loss_chunk) or plain (the logits)."""
+        fused = resolve_fused_loss(self.fused_loss, self.device.type, self.optim_cfg.label_smoothing,
+                                   self.model_cfg.z_loss)
+        return fused if fused != "off" else "chunked" if self.loss_chunk else "plain"
+
+    def on_fit_start(self) -> None:
+        _ = self.loss_kernel  # a library that cannot run on this device fails here, before the first step
+
+    def train_loss(self, out: torch.Tensor, target: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The training loss of the model's output: logits (B, T, V), or, when `loss_kernel` is not plain, the final
+        hidden states (B, T, d), whose logits are never materialised for the whole batch (a fused library's kernel,
+        or linear_cross_entropy's chunks). A fused loss gives nll_sum only on logging steps (else None)."""
+        kernel = self.loss_kernel
+        if kernel == "plain":
             return self.loss(out, target)
         cfg, m = self.model_cfg, self.model
         weight = m.head.weight if m.head is not None else m.output_embedding().weight  # (V, d)
         smoothing = self.optim_cfg.label_smoothing if self.training else 0.0
-        return linear_cross_entropy(out, weight, target, cfg.pad_id, smoothing, cfg.z_loss if self.training else 0.0,
-                                    cfg.logit_softcap, self.loss_chunk)
+        z_loss = cfg.z_loss if self.training else 0.0
+        if kernel == "chunked":
+            return linear_cross_entropy(out, weight, target, cfg.pad_id, smoothing, z_loss, cfg.logit_softcap,
+                                        self.loss_chunk)
+        with_nll = self._trainer is None or self._logging_step()  # the nll costs a second call: only when logged
+        return fused_linear_cross_entropy(out, weight, target, cfg.pad_id, smoothing, z_loss, cfg.logit_softcap,
+                                          kernel, with_nll)
 
     def log_eval_loss(self, stage: str) -> None:
         n = float(self.eval_tokens.compute())
@@ -105,7 +129,7 @@ class BaseModule(L.LightningModule):
         logged on other steps was never written anywhere."""
         return self.trainer._logger_connector.should_update_logs
 
-    def log_train_step(self, loss: torch.Tensor, nll: torch.Tensor, n_tokens: torch.Tensor) -> None:
+    def log_train_step(self, loss: torch.Tensor, nll: torch.Tensor | None, n_tokens: torch.Tensor) -> None:
         now = time.perf_counter()
         last, self._last_step_time = self._last_step_time, now
         if not self._logging_step():

@@ -42,8 +42,8 @@ class MLMModule(BaseModule):
     EVAL_CURVES = (*BaseModule.EVAL_CURVES, "mlm_acc")
 
     def __init__(self, model: dict, optim: dict, compile: bool = False, loss_chunk: int = 0, mask_id: int = MASK_ID,
-                 first_token: int = MASK_ID + 1, seed: int = 1) -> None:
-        super().__init__(model, optim, compile, loss_chunk)
+                 first_token: int = MASK_ID + 1, seed: int = 1, fused_loss: str = "auto") -> None:
+        super().__init__(model, optim, compile, loss_chunk, fused_loss)
         if self.model_cfg.arch != "encoder_only":
             raise ValueError(f"MLMModule needs model.arch=encoder_only, got model.arch={self.model_cfg.arch}")
         if not 0 <= mask_id < first_token < self.model_cfg.vocab_size:
@@ -59,7 +59,7 @@ class MLMModule(BaseModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, target = self.masked(batch["input"])  # (B, T) each
         # windows of the token stream hold no padding: no mask, so SDPA may take its flash kernel
-        out = self.model(inputs, return_hidden=self.loss_chunk > 0, padded=False)  # (B, T, V) or (B, T, d)
+        out = self.model(inputs, return_hidden=self.loss_kernel != "plain", padded=False)  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, target)
         self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
         return self.step_loss(loss_sum, n)

@@ -30,8 +30,9 @@ class Seq2SeqModule(BaseModule):
     EVAL_CURVES = (*BaseModule.EVAL_CURVES, "bleu", "chrf")  # bleu, chrf: of the decode.val_sentences decoded
 
     def __init__(self, model: dict, optim: dict, decode: dict | None = None, compile: bool = False,
-                 bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0, tgt_lang: str = "") -> None:
-        super().__init__(model, optim, compile, loss_chunk)
+                 bos_id: int = 1, eos_id: int = 2, loss_chunk: int = 0, tgt_lang: str = "",
+                 fused_loss: str = "auto") -> None:
+        super().__init__(model, optim, compile, loss_chunk, fused_loss)
         if self.model_cfg.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqModule needs model.arch=encoder_decoder, got model.arch={self.model_cfg.arch}")
         self.decode_cfg = DecodeConfig.from_dict(decode or {})
@@ -51,7 +52,7 @@ class Seq2SeqModule(BaseModule):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_chunk > 0,
+        out = self.model(batch["src"], batch["tgt_in"], return_hidden=self.loss_kernel != "plain",
                          src_padded=batch.get("src_padded", True))  # (B, T, V) or (B, T, d)
         loss_sum, nll_sum, n = self.train_loss(out, batch["tgt_out"])
         self.log_train_step(loss_sum / n.clamp_min(1), nll_sum, n)
