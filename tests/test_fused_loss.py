@@ -44,7 +44,7 @@ def plain(h, w, t, smoothing, z_loss):
 
 
 def check_loss_and_gradients(smoothing: float, z_loss: float) -> None:
-    """45 tokens, 6 of them padding, V 50, d 16: liger takes them in chunks of 16 (the last one short)."""
+    """45 tokens, 6 of them padding, V 50, d 16: in liger's chunks of 32 tokens (the last one short)."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 15, 16, generator=g, requires_grad=True)  # (B, T, d)
     w = (torch.randn(50, 16, generator=g) * 0.5).requires_grad_()  # (V, d)
@@ -52,7 +52,7 @@ def check_loss_and_gradients(smoothing: float, z_loss: float) -> None:
     t[0, 10:] = PAD
     t[2, 3] = PAD
     want = plain(h.reshape(-1, 16), w, t.reshape(-1), smoothing, z_loss)
-    got = fl.fused_linear_cross_entropy(h, w, t, PAD, smoothing, z_loss, impl="liger")
+    got = fl.fused_linear_cross_entropy(h, w, t, PAD, smoothing, z_loss, impl="liger", chunk_tokens=16)
     assert int(got[2]) == int(want[2]) == 45 - 6
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-5)  # the nll, not the smoothed loss
