@@ -162,6 +162,135 @@ def test_chunked_loss_matches_the_plain_loss_in_bf16_and_needs_less_memory():
     assert m1 < 0.5 * m0, (m1, m0)
 
 
+def fused_case(N: int, V: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states (N, d), an output weight (V, d) giving logits of std ~2, targets (N,) with ~10% padding (0)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(N, d, device="cuda", generator=g).requires_grad_()  # (N, d)
+    w = (torch.randn(V, d, device="cuda", generator=g) * 2 * d**-0.5).requires_grad_()  # (V, d)
+    t = torch.randint(1, V, (N,), device="cuda", generator=g)  # (N,)
+    t[torch.rand(N, device="cuda", generator=g) < 0.1] = 0
+    return h, w, t
+
+
+def plain_fused_reference(h, w, t, smoothing, z_loss, softcap):
+    """token_loss of softcap(h @ w^T), the logits in autocast's dtype as the model's output layer makes them."""
+    from attnlab.lit.loss import token_loss
+
+    logits = torch.nn.functional.linear(h, w)  # (N, V)
+    if softcap:
+        logits = softcap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / softcap)
+    return token_loss(logits, t, 0, smoothing, z_loss)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("smoothing,z_loss,softcap", [(0.1, 1e-3, 0.0), (0.1, 1e-3, 3.0), (0.0, 0.0, 3.0)])
+def test_liger_fused_loss_equals_the_plain_path_in_fp32(smoothing, z_loss, softcap):
+    """Liger's fused linear cross-entropy (trainer.fused_loss liger) in fp32 against token_loss on the logits: loss,
+    nll (a second, gradient-free call when smoothing or z-loss is on) and both gradients, with padding; 4,096
+    tokens over a 32k vocabulary take 32 of its chunks."""
+    pytest.importorskip("liger_kernel", reason="the gpu extra: pip install 'attnlab[gpu]'")
+    from attnlab.lit.fused_loss import fused_linear_cross_entropy
+
+    h, w, t = fused_case(4096, 32000, 512)
+    want = plain_fused_reference(h, w, t, smoothing, z_loss, softcap)
+    got = fused_linear_cross_entropy(h, w, t, 0, smoothing, z_loss, softcap, impl="liger", chunk_tokens=128)
+    assert int(got[2]) == int(want[2]) == int(t.ne(0).sum())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0.0)
+    want_g = torch.autograd.grad(want[0] * 0.37, (h, w))  # scaled: the backward's rescaling kernel runs too
+    got_g = torch.autograd.grad(got[0] * 0.37, (h, w))
+    for name, a, b in zip(("dL/dh", "dL/dW"), got_g, want_g, strict=True):
+        assert max_err(a, b) <= 1e-5 * b.abs().max().item(), name
+
+
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+@pytest.mark.parametrize("smoothing,z_loss,softcap", [(0.1, 1e-3, 0.0), (0.1, 1e-3, 3.0), (0.0, 0.0, 3.0),
+                                                     (0.0, 0.0, 0.0)])
+def test_fused_loss_in_bf16_is_as_exact_as_the_plain_path_and_needs_less_memory(impl, smoothing, z_loss, softcap):
+    """Under bf16 autocast (how training runs on a GPU): loss, nll and gradients of the fused library and of the
+    plain bf16 path, each against the fp64 computation on the same bf16-rounded inputs; liger's error is at most
+    twice the plain path's, and the library holds less than half the plain path's extra memory (8,192 tokens, 32k
+    vocabulary). CCE has no label smoothing and no z-loss: those cases are refused, with the reason.
+
+    CCE 25.1.1 is less exact: it sums dL/dh over vocabulary blocks and dL/dW over token blocks in bf16 buffers
+    (cce_backward.py), and its summed loss differs from the exact one by a few 1e-6 of it. On an H100 (2026-11-26,
+    soft-cap 3) its dL/dh was off by 5.7% of the largest entry, 15 times the plain path's error, and its loss by
+    0.25 of ~78,000 (the plain path: 0.008). Its bounds are those, with room: a relative 1e-4 on the loss, 10% of
+    the largest entry on each gradient."""
+    pytest.importorskip(PACKAGE_OF[impl], reason="the gpu extra: pip install 'attnlab[gpu]'")
+    from attnlab.config import ConfigError
+    from attnlab.lit.fused_loss import fused_linear_cross_entropy
+
+    h, w, t = fused_case(8192, 32000, 512, seed=1)
+    if impl == "cce" and (smoothing or z_loss):
+        with pytest.raises(ConfigError, match="no label smoothing"), torch.autocast("cuda", dtype=torch.bfloat16):
+            fused_linear_cross_entropy(h, w, t, 0, smoothing, z_loss, softcap, impl=impl)
+        return
+    h64, w64 = (x.detach().bfloat16().double().requires_grad_() for x in (h, w))  # the inputs autocast multiplies
+    exact = plain_fused_reference(h64, w64, t, smoothing, z_loss, softcap)
+    exact_g = torch.autograd.grad(exact[0], (h64, w64))
+    results = []
+    for fused in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if fused:
+                out = fused_linear_cross_entropy(h, w, t, 0, smoothing, z_loss, softcap, impl=impl)
+            else:
+                out = plain_fused_reference(h, w, t, smoothing, z_loss, softcap)
+        grads = torch.autograd.grad(out[0], (h, w))
+        torch.cuda.synchronize()
+        results.append((out, grads, torch.cuda.max_memory_allocated() - base))
+    (plain, plain_g, plain_mem), (got, got_g, got_mem) = results
+    assert got[0].dtype == torch.float32 and got_g[0].dtype == got_g[1].dtype == torch.float32
+    assert int(got[2]) == int(plain[2])
+    for name, a, b, ref in [("loss", got[0], plain[0], exact[0]), ("nll", got[1], plain[1], exact[1]),
+                            ("dL/dh", got_g[0], plain_g[0], exact_g[0]), ("dL/dW", got_g[1], plain_g[1], exact_g[1])]:
+        scale = ref.abs().max().item()
+        if impl == "cce":
+            assert max_err(a, ref) <= (1e-4 if name in ("loss", "nll") else 0.1) * scale, (name, max_err(a, ref))
+        else:  # the floor: where both round alike
+            assert max_err(a, ref) <= 2 * max_err(b, ref) + 1e-6 * scale, (name, max_err(a, ref), max_err(b, ref))
+    assert got_mem < 0.5 * plain_mem, (got_mem, plain_mem)
+
+
+PACKAGE_OF = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_training_step_takes_the_fused_loss_on_cuda_by_default(compile):
+    """trainer.fused_loss auto on CUDA with the gpu extra installed: LMModule's training step (bf16 autocast; its
+    blocks compiled with `compile`, as trainer.compile does) runs liger on the hidden states and gives the loss
+    and parameter gradients of fused_loss off, within bf16 tolerance."""
+    pytest.importorskip("liger_kernel", reason="the gpu extra: pip install 'attnlab[gpu]'")
+    from attnlab.lit import LMModule
+
+    cfg = lm_config(vocab_size=4096, z_loss=1e-4, logit_softcap=30.0).to_dict()
+    ids = torch.randint(4, 4096, (4, 129), device="cuda")
+    batch = {"input": ids[:, :-1], "target": ids[:, 1:].clone()}
+    batch["target"][0, 100:] = 0
+    results = []
+    for fused in ("off", "auto"):
+        torch.manual_seed(0)
+        m = LMModule(model=cfg, optim={"label_smoothing": 0.1}, compile=compile, fused_loss=fused).cuda().train()
+        m.configure_model()
+        m.log_train_step = lambda *a: None  # logging needs a Trainer
+        assert m.loss_kernel == ("plain" if fused == "off" else "liger")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m.training_step(batch, 0)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert abs(l1.item() - l0.item()) <= 2e-3 * abs(l0.item()), (l1, l0)
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    for name in g0:
+        assert max_err(g1[name], g0[name]) <= 0.02 * g0[name].abs().max().item() + 1e-6, name
+
+
 # ------------------------------------------------------------------------------------------ decoding
 @pytest.mark.parametrize("compile_step", [False, True])
 def test_cuda_graph_decoding_gives_the_tokens_of_the_dynamic_cache(compile_step):
