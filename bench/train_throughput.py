@@ -14,9 +14,14 @@ Shapes (full; --cpu or --size small shrinks every dimension):
           batch 16 x 1024. attnlab | HF LlamaForCausalLM | x-transformers TransformerWrapper
 Every model gets the same batch (random ids, no padding), bf16 autocast on CUDA (fp32 on a CPU), the same
 loss (label-smoothed CE over fp32 logits; attnlab's token_loss, F.cross_entropy for the peers) and AdamW
-(fused on CUDA). "attnlab-chunked" computes the loss with trainer.loss_chunk's linear_cross_entropy.
+(fused on CUDA). "attnlab-chunked" computes the loss with trainer.loss_chunk's linear_cross_entropy; "attnlab-liger"
+and "attnlab-cce" with trainer.fused_loss's libraries (attnlab.lit.fused_loss.fused_linear_cross_entropy, as the
+trainer calls it on a step it does not log; the gpu extra; CUDA only, else skipped with the reason; CCE has no label
+smoothing, so it skips the encdec task); "attnlab-liger-all" (lm, eager: it failed to compile) also swaps in
+Liger's RMSNorm, fused SwiGLU and RoPE kernels (this benchmark only, see liger_everything).
 Modes: eager; compile = torch.compile(model) for every model; compile also runs "attnlab-blocks", attnlab's
-own trainer.compile (each block compiled, dynamic shapes). MFU = training FLOPs from
+own trainer.compile (each block compiled, dynamic shapes), and "attnlab-blocks-liger", the same with the liger loss
+(what a trainer.compile run on a GPU with the gpu extra trains). MFU = training FLOPs from
 attnlab.models.accounting.training_flops over the matmul peak measured at the start of the run. Peak memory
 is torch.cuda.max_memory_allocated from building the model to the last step (weights, AdamW state,
 activations). --profile prints each attnlab row's top CUDA kernels (is SDPA's flash kernel the one chosen?).
@@ -25,8 +30,11 @@ activations). --profile prints each attnlab row's top CUDA kernels (is SDPA's fl
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import math
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -36,6 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     Env,
+    Missing,
     add_common_args,
     make_env,
     need,
@@ -49,10 +58,14 @@ from harness import (  # noqa: E402
     write_json,
 )
 
-from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.config import ConfigError, ModelConfig  # noqa: E402
 from attnlab.experiment import load_experiment  # noqa: E402
+from attnlab.lit.fused_loss import LIGER_CHUNK_TOKENS, fused_linear_cross_entropy, resolve_fused_loss  # noqa: E402
 from attnlab.lit.loss import linear_cross_entropy, token_loss  # noqa: E402
+from attnlab.models import attention as attnlab_attention  # noqa: E402
 from attnlab.models.accounting import training_flops  # noqa: E402
+from attnlab.models.layers import FeedForward  # noqa: E402
+from attnlab.models.tables import RMSNorm  # noqa: E402
 from attnlab.models.transformer import build_model  # noqa: E402
 
 PAD = 0
@@ -180,6 +193,56 @@ PEERS = {"encdec": {"torch": TorchSeq2Seq, "marian": Marian, "x-transformers": X
          "lm": {"llama": Llama, "x-transformers": XLM}}
 
 
+# ------------------------------------------------------------------------------------------ Liger's other kernels
+def liger_everything(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Liger Kernel's RMSNorm, fused SwiGLU and RoPE in an attnlab decoder, for the attnlab-liger-all row only.
+
+    Every RMSNorm becomes a LigerRMSNorm (llama casting: statistics in fp32, cast back, then the weight, as
+    attnlab's), each gated FFN's silu(gate) * up over fc1's fused halves one LigerFusedGateUpSiLUMulFunction. RoPE:
+    the returned context replaces attention.apply_rope while the row runs. attnlab rotates queries and keys in two
+    calls and Liger's kernel rotates both in one, so each call hands it a one-head dummy as its keys: each rotation
+    does 1/H more work than Liger's own use would (a fair comparison would need a joint rotation in models/)."""
+    rms = importlib.import_module("liger_kernel.transformers.rms_norm")
+    swiglu = importlib.import_module("liger_kernel.ops.swiglu")
+    rope = importlib.import_module("liger_kernel.ops.rope")
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, RMSNorm):
+                fast = rms.LigerRMSNorm(child.weight.shape[0], eps=child.eps, casting_mode="llama")
+                fast.weight.data.copy_(child.weight.data)
+                setattr(parent, child_name, fast)
+            elif isinstance(child, FeedForward) and child.gated and child.act is F.silu:
+                def ffn(self, x: torch.Tensor) -> torch.Tensor:
+                    y = self.fc1(x)  # (B, T, 2 ff): Liger's function takes (tokens, 2 ff) only
+                    h = swiglu.LigerFusedGateUpSiLUMulFunction.apply(y.reshape(-1, y.shape[-1]))  # (B*T, ff)
+                    return self.fc2(h.view(*y.shape[:-1], -1))  # (B, T, d)
+
+                child.forward = types.MethodType(ffn, child)
+
+    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # cos, sin: (T, hd) rotate-half tables, Liger's layout (HF Llama); x (B, H, T, hd)
+        return rope.LigerRopeFunction.apply(x, x[:, :1], cos.to(x.dtype), sin.to(x.dtype))[0]
+
+    @contextlib.contextmanager
+    def patched():
+        plain = attnlab_attention.apply_rope
+        attnlab_attention.apply_rope = apply_rope
+        try:
+            yield
+        finally:
+            attnlab_attention.apply_rope = plain
+
+    return patched()
+
+
+def loss_kernel(name: str) -> str:
+    """How an attnlab row computes its loss: plain | chunked | liger | cce."""
+    for kernel in ("chunked", "liger", "cce"):
+        if name == f"attnlab-{kernel}" or name.startswith(f"attnlab-{kernel}-") or name.endswith(f"-{kernel}"):
+            return kernel
+    return "plain"
+
+
 # ------------------------------------------------------------------------------------------ one row
 def make_batch(task: str, s: dict, device: torch.device) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
@@ -191,18 +254,22 @@ def make_batch(task: str, s: dict, device: torch.device) -> tuple[torch.Tensor, 
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
-def build(task: str, name: str, cfg: ModelConfig, mode: str, loss_chunk: int, compile_kw: dict | None = None):
+def build(task: str, name: str, cfg: ModelConfig, mode: str, loss_chunk: int, compile_kw: dict | None = None,
+          chunk_tokens: int = LIGER_CHUNK_TOKENS):
     """(model, forward callable, loss function of (forward, batch))."""
     smoothing = SMOOTHING[task]
     if name.startswith("attnlab"):
         model = build_model(cfg)
-        chunked = name == "attnlab-chunked"
+        kernel = loss_kernel(name)
 
         def loss_fn(fwd, batch):
-            out = fwd(*batch[:-1], return_hidden=chunked)  # (B, T, d) hidden or (B, T, V) logits
-            if chunked:
-                w = model.head.weight if model.head is not None else model.output_embedding().weight  # (V, d)
+            out = fwd(*batch[:-1], return_hidden=kernel != "plain")  # (B, T, d) hidden or (B, T, V) logits
+            w = model.head.weight if model.head is not None else model.output_embedding().weight  # (V, d)
+            if kernel == "chunked":
                 loss_sum, _, n = linear_cross_entropy(out, w, batch[-1], PAD, smoothing, chunk=loss_chunk)
+            elif kernel in ("liger", "cce"):
+                loss_sum, _, n = fused_linear_cross_entropy(out, w, batch[-1], PAD, smoothing, impl=kernel,
+                                                            with_nll=False, chunk_tokens=chunk_tokens)
             else:
                 loss_sum, _, n = token_loss(out, batch[-1], PAD, smoothing)
             return loss_sum / n
@@ -213,7 +280,7 @@ def build(task: str, name: str, cfg: ModelConfig, mode: str, loss_chunk: int, co
             logits = fwd(*batch[:-1])  # (B, T, V)
             return F.cross_entropy(logits.float().flatten(0, 1), batch[-1].flatten(), ignore_index=PAD,
                                    label_smoothing=smoothing)
-    if mode == "compile" and name == "attnlab-blocks":  # attnlab's trainer.compile: each block, dynamic shapes
+    if mode == "compile" and name.startswith("attnlab-blocks"):  # attnlab's trainer.compile: each block, dynamic
         for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
             if stack is not None:
                 for layer in stack.layers:
@@ -238,10 +305,21 @@ def measure(env: Env, task: str, name: str, mode: str, args: argparse.Namespace)
     cfg = encdec_config(s) if task == "encdec" else lm_config(s)
     if args.recipe is not None and task == "encdec":
         s, cfg = recipe_shape(args.recipe, args.length)
+    if name == "attnlab-liger-all" and mode == "compile":  # its compile spent a minute of device time, then failed
+        raise Missing("Liger's RMSNorm, SwiGLU and RoPE failed under torch.compile(model) (torch 2.11 on an H100, "
+                      "2026-11-26: InductorError KeyError 'op541'); the eager row runs them")
+    kernel = loss_kernel(name) if name.startswith("attnlab") else "plain"
+    if kernel in ("liger", "cce"):  # skipped, with the reason, where the library cannot run this loss here
+        try:
+            resolve_fused_loss(kernel, env.device.type, SMOOTHING[task])
+        except ConfigError as e:
+            raise Missing(str(e)) from None
     reset_memory(env.device)
     torch.manual_seed(0)
     compile_kw = {"backend": args.compile_backend, "mode": args.compile_mode}
-    model, fwd, loss_fn = build(task, name, cfg, mode, args.loss_chunk or (16 if env.small else 4096), compile_kw)
+    model, fwd, loss_fn = build(task, name, cfg, mode, args.loss_chunk or (16 if env.small else 4096), compile_kw,
+                                args.liger_chunk_tokens)
+    kernels = liger_everything(model) if name == "attnlab-liger-all" else contextlib.nullcontext()
     model.to(env.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=env.cuda or None)
     batch = make_batch(task, s, env.device)
@@ -253,14 +331,15 @@ def measure(env: Env, task: str, name: str, mode: str, args: argparse.Namespace)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    warm, per_step = time_steps(step, args.warmup, args.steps, env.device)
+    with kernels:
+        warm, per_step = time_steps(step, args.warmup, args.steps, env.device)
+        if args.profile and name.startswith("attnlab"):
+            profile(step, f"{task}/{name} ({mode})", env.device, per_step)
     T = s["tgt"] if task == "encdec" else s["seq"]
     flops = training_flops(cfg, T, s["src"] if task == "encdec" else None)["total"] * s["batch"]
     out = {"params_M": sum(p.numel() for p in model.parameters()) / 1e6, "tokens_per_s": s["batch"] * T / per_step,
            "mfu_pct": 100 * flops / per_step / env.peak_flops, "peak_mem_GiB": peak_memory_gib(env.device),
            "warmup_s": warm}
-    if args.profile and name.startswith("attnlab"):
-        profile(step, f"{task}/{name} ({mode})", env.device, per_step)
     return out
 
 
@@ -299,6 +378,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=0, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps first, compiling included (default 3; 2 small)")
     p.add_argument("--loss-chunk", type=int, default=0, help="tokens per chunk of attnlab-chunked (default 4096)")
+    p.add_argument("--liger-chunk-tokens", type=int, default=LIGER_CHUNK_TOKENS,
+                   help=f"tokens of each chunk of the liger rows (default {LIGER_CHUNK_TOKENS}; 0: liger's default)")
     p.add_argument("--profile", action="store_true", help="top kernels (CPU: ops) of a step of each attnlab row")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: trace only)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
@@ -312,9 +393,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(env.describe(), flush=True)
     rows: list[dict] = []
     for task in args.tasks.split(","):
-        names = ["attnlab", "attnlab-chunked", *PEERS[task]]
+        names = ["attnlab", "attnlab-chunked", "attnlab-liger", "attnlab-cce",
+                 *(["attnlab-liger-all"] if task == "lm" else []), *PEERS[task]]
         for mode in modes:
-            for name in names + (["attnlab-blocks"] if mode == "compile" else []):
+            for name in names + (["attnlab-blocks", "attnlab-blocks-liger"] if mode == "compile" else []):
                 if selected(f"{task}/{name}", args.only):
                     run_row(rows, {"task": task, "model": name, "mode": mode},
                             lambda t=task, n=name, m=mode: measure(env, t, n, m, args))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,26 @@ def test_on_a_cpu_auto_trains_on_the_logits_and_an_explicit_library_fails_at_fit
         m.on_fit_start()
     with pytest.raises(ValueError, match="fused_loss='fast' is not one of"):
         Seq2SeqModule(model=model, optim={}, fused_loss="fast")
+
+
+def test_the_benchmark_rows_of_the_fused_loss_skip_with_the_reason_on_a_cpu():
+    """bench/train_throughput.py: attnlab-liger and attnlab-cce say why they cannot run here; the others still run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import train_throughput
+
+    threads = torch.get_num_threads()
+    try:
+        rows = train_throughput.main(["--cpu", "--only", "lm/attnlab,lm/attnlab-liger,lm/attnlab-cce", "--steps", "1",
+                                      "--warmup", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    status = {r["model"]: r["status"] for r in rows}
+    assert status["attnlab"] == "ok"
+    for name in ("attnlab-liger", "attnlab-cce"):
+        assert status[name].startswith(f"skipped: trainer.fused_loss={name[8:]} runs Triton kernels on a CUDA device")
+    assert [train_throughput.loss_kernel(n) for n in ("attnlab", "attnlab-chunked", "attnlab-liger-all",
+                                                       "attnlab-blocks-liger", "attnlab-cce", "attnlab-blocks")] == [
+        "plain", "chunked", "liger", "liger", "cce", "plain"]
 
 
 if __name__ == "__main__":  # the interpreted checks (test_liger_matches_the_plain_path_under_the_triton_interpreter)
