@@ -1,6 +1,7 @@
 """GPU checks (skipped without CUDA): the SDPA flash kernel in bf16 against fp32 math, bf16 training against fp32
-loss curves, the chunked loss in bf16 and its memory, CUDA-graph decoding against the growing cache, beam
-search's tie order on CUDA, a deterministic fit repeated bit for bit."""
+loss curves, the chunked loss in bf16 and its memory, the fused loss libraries (trainer.fused_loss) against the plain
+loss, CUDA-graph decoding against the growing cache, beam search's tie order on CUDA, a deterministic fit repeated
+bit for bit."""
 
 import pytest
 import torch
