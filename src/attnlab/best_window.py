@@ -24,6 +24,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from .checkpoint_io import after_writes
 from .checkpoints import last_checkpoints
 from .files import copy_atomic, write_text_atomic
 
@@ -47,8 +48,9 @@ class BestWindow(Callback):
         if not math.isfinite(value) or value >= self.best:
             return
         self.best, self.best_step = value, trainer.global_step
-        if trainer.is_global_zero and self.ckpt_dir.is_dir():
-            link_window(self.ckpt_dir, self.n, {self.monitor: value, "step": trainer.global_step})
+        if trainer.is_global_zero and self.ckpt_dir.is_dir():  # once the step's checkpoint is written
+            record = {self.monitor: value, "step": trainer.global_step}
+            after_writes(trainer, lambda: link_window(self.ckpt_dir, self.n, record))
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step}

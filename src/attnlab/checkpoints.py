@@ -17,15 +17,12 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from weakref import proxy
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .config import ConfigError, ModelConfig
 from .data.tokenizer import Tokenizer
-from .files import copy_atomic, write_atomic
+from .files import write_atomic
 
 log = logging.getLogger("attnlab")
 FORMAT = 2  # the layout this code writes (see the module docstring for what changed from 1)
@@ -60,59 +57,6 @@ def serialized_size(obj: Any) -> int:
     counter = _Count()
     torch.save(obj, counter)  # type: ignore[arg-type]
     return counter.n
-
-
-def copy_checkpoint(trainer, src: str | Path, dst: str | Path) -> bool:
-    """`dst` made, by rank 0, a copy of the checkpoint file `src` just written with the same state (files.copy_atomic),
-    instead of serializing that state again (the GPU-to-host copies, pickling, writing: about twice the time of the
-    copy); False, with nothing done, where `src` is not a file (a sharded checkpoint folder). Collective, like
-    trainer.save_checkpoint: every rank calls it at the same point and takes the branch rank 0 takes."""
-    if not trainer.strategy.broadcast(Path(src).is_file() if trainer.is_global_zero else False, src=0):
-        return False
-    if trainer.is_global_zero:
-        copy_atomic(src, dst, f"checkpoint {Path(dst).name}")
-    trainer.strategy.barrier("copy_checkpoint")
-    return True
-
-
-class StepCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, where last.ckpt at a step whose step=N.ckpt was just written is a copy of that
-    file (copy_checkpoint) instead of a second serialization of the same state. Still two files: a damaged
-    last.ckpt leaves the step checkpoint to resume from."""
-
-    @property
-    def state_key(self) -> str:
-        """ModelCheckpoint's own key, so that a run saved before this class resumes with its checkpoint state."""
-        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
-
-    def _save_topk_checkpoint(self, trainer, monitor_candidates) -> None:
-        # last.ckpt's path is part of the saved state (Lightning sets it just before writing last.ckpt): set it
-        # before the step checkpoint is written, so that both files hold the same state
-        if self.save_last and not self.last_model_path:
-            self.last_model_path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-        super()._save_topk_checkpoint(trainer, monitor_candidates)
-
-    def _save_checkpoint(self, trainer, filepath: str) -> None:
-        src = self._last_checkpoint_saved
-        if filepath == self.last_model_path and src and src != filepath \
-                and self._last_global_step_saved == trainer.global_step and copy_checkpoint(trainer, src, filepath):
-            self._last_checkpoint_saved = filepath
-            if trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.after_save_checkpoint(proxy(self))
-            return
-        super()._save_checkpoint(trainer, filepath)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """A Trainer's checkpoint files: every save goes through `save_atomic`, stamped with this code's layout;
-    a resume reads the file migrated to it (`migrate`)."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        save_atomic({**checkpoint, "attnlab_format": FORMAT}, path)
-
-    def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return migrate(super().load_checkpoint(path, *args, **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -63,6 +63,9 @@ class TrainConfig(StrictConfig):
     # on CUDA liger, else cce, where installed and able to compute the loss (it then takes precedence over
     # loss_chunk); elsewhere off, the logits path (plain, or chunked by loss_chunk)
     fused_loss: str = "auto"
+    # checkpoint files written by a background thread from a copy of the state taken at the step (checkpoint_io.py), so
+    # that training goes on while they are written: auto = on CUDA (not FSDP), foreground elsewhere
+    checkpoint_writes: str = "auto"  # auto | background | foreground
     seed: int = 1  # seed of initialisation, dropout and batch order
     deterministic: bool = False  # torch's deterministic algorithms: a GPU run repeats bit for bit (slower); an op
     # without a deterministic kernel stops the run, naming it
@@ -94,6 +97,7 @@ class TrainConfig(StrictConfig):
         if self.loss_chunk and self.strategy == "fsdp":  # it reads the output weight outside the sharded forward
             raise ConfigError("trainer.loss_chunk is not supported with trainer.strategy=fsdp")
         one_of("fused_loss", self.fused_loss, FUSED_LOSSES, "trainer")
+        one_of("checkpoint_writes", self.checkpoint_writes, ("auto", "background", "foreground"), "trainer")
         if self.fused_loss in ("liger", "cce") and self.strategy == "fsdp":  # as loss_chunk: the weight, unsharded
             raise ConfigError(f"trainer.fused_loss={self.fused_loss} is not supported with trainer.strategy=fsdp "
                               "(auto is off there)")
@@ -137,6 +141,7 @@ HASHED_AS_BEFORE: dict[tuple[str, str], tuple[Any, Any]] = {
     ("trainer", "val_every_min"): (0.0, _ABSENT),
     ("trainer", "ckpt_every_min"): (0.0, _ABSENT),
     ("trainer", "deterministic"): (False, _ABSENT),
+    ("decode", "average_at"): ("last", _ABSENT),
 }
 
 
@@ -187,7 +192,7 @@ class Experiment:
         """Identity of what is trained: everything but where and how it is logged."""
         d = self.to_dict()
         same_loss = ("loss_chunk", "fused_loss")  # how the loss avoids the logits, not which loss
-        for k in ("runs_dir", "run_name", "progress_bar", "log_every", *same_loss, "loggers"):
+        for k in ("runs_dir", "run_name", "progress_bar", "log_every", *same_loss, "loggers", "checkpoint_writes"):
             d["trainer"].pop(k)
         d["decode"].pop("max_tokens")  # how test and translate batch their decoding
         d["decode"].pop("engine")  # and what decodes

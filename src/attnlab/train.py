@@ -29,12 +29,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .best_window import BestWindow
 from .bleu import sacrebleu_bleu
+from .checkpoint_io import AtomicCheckpointIO, StepCheckpoint, copy_checkpoint, wait_for_writes
 from .checkpoints import (
-    AtomicCheckpointIO,
-    StepCheckpoint,
     check_compatible,
     check_same_tokenizer,
-    copy_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     resume_candidates,
@@ -180,7 +178,9 @@ def make_trainer(exp: Experiment, run_dir: Path, extra_callbacks: list[Callback]
         strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
     elif t.strategy == "ddp" and not gpu:
         strategy = DDPStrategy(process_group_backend="gloo")
-    devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO()], []
+    # checkpoint files written in a thread while training goes on (checkpoint_io.py); FSDP writes its own folders
+    background = t.checkpoint_writes == "background" or (t.checkpoint_writes == "auto" and gpu and t.strategy != "fsdp")
+    devices, num_nodes, plugins, callbacks = t.devices, t.num_nodes, [AtomicCheckpointIO(background)], []
     if unused_allocation():  # the batch script itself: SLURM's task count describes srun steps, not this process
         plugins.append(LightningEnvironment())  # not SLURM's: Lightning would read the tasks as its ranks (fit warns)
     elif "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
@@ -402,6 +402,7 @@ def fit_run(exp: Experiment, ckpt_path: str | None, trainer_overrides: dict | No
         trainer.save_checkpoint(step_ckpt, weights_only=False)
     if not (wrote_step and copy_checkpoint(trainer, step_ckpt, last)):  # the same state: copied, not saved again
         trainer.save_checkpoint(last, weights_only=False)
+    wait_for_writes(trainer)  # the files on disk before the run is marked done and read (demo, the final evaluation)
     if trainer.global_rank == 0:
         mark_fit_done(run_dir, trainer.global_step)
     return run_dir
