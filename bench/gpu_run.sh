@@ -160,9 +160,10 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   L_TESTS=120; L_COMPILE=120; L_BENCH=240; L_CT2=120; L_PEER=240; L_ABL=240
 else
   BENCH=()
-  # attnlab with the plain loss and with each fused one, beside x-transformers (liger/cce rows say skipped where
-  # their package is missing); about 35 s a row on an H100, compiling included
-  TRAIN_COMPILE=(--profile --only "${TRAIN_COMPILE_ROWS:-encdec/attnlab,encdec/attnlab-liger,encdec/attnlab-cce,encdec/x-transformers,lm/attnlab,lm/attnlab-liger,lm/attnlab-cce,lm/x-transformers}")
+  # attnlab with the plain loss and with Liger's (whole model compiled, and trainer.compile's compiled blocks, what
+  # a fit runs), beside x-transformers; Liger beat CCE on the LM (bench/RESULTS.md, 2026-11-26) and CCE refuses the
+  # enc-dec's label smoothing. About 35 s a row on an H100, compiling included
+  TRAIN_COMPILE=(--profile --only "${TRAIN_COMPILE_ROWS:-encdec/attnlab,encdec/attnlab-liger,encdec/attnlab-blocks-liger,encdec/x-transformers,lm/attnlab,lm/attnlab-liger,lm/attnlab-blocks-liger,lm/x-transformers}")
   FIT_TIME=2; BASE_FIT_TIME=2; BASE_TIME=5; DEMO_EXTRA=()
   # the base model at full size, sized for 5 minutes on one GPU: gettext's ~40k pairs (a 37k vocabulary would be
   # most of the corpus), twice the paper's per-GPU slots a step, the checkpoint spacing a short run averages over.
