@@ -144,7 +144,8 @@ def test_a_variant_it_cannot_represent_is_refused_naming_the_fields(trained, tmp
 def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text(trained, tmp_path, capsys,
                                                                                  monkeypatch):
     """`attnlab translate --engine ctranslate2`: the checkpoint is converted on first use into <run dir>/ct2/ and
-    loaded from there afterwards; greedy, the lines are attnlab's own."""
+    loaded from there afterwards, its Translator kept for the next call in the process; greedy, the lines are
+    attnlab's own."""
     from attnlab import export_ct2
 
     ckpt, _, _ = trained["mt"]
@@ -153,9 +154,12 @@ def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text
     base = ["translate", "--ckpt", str(ckpt), "--input", str(src), "--beam", "1", "--device", "cpu"]
     assert main(base) == 0
     ours = capsys.readouterr().out.splitlines()
-    conversions = []
+    conversions, loads = [], []
     convert = export_ct2.export_ctranslate2
     monkeypatch.setattr(export_ct2, "export_ctranslate2", lambda *a, **k: conversions.append(a) or convert(*a, **k))
+    monkeypatch.setattr(export_ct2, "_TRANSLATORS", {})
+    load = ctranslate2.Translator
+    monkeypatch.setattr(ctranslate2, "Translator", lambda *a, **k: loads.append(a) or load(*a, **k))
     for _ in range(2):
         assert main([*base, "--engine", "ctranslate2"]) == 0
         theirs = capsys.readouterr().out.splitlines()
@@ -163,6 +167,7 @@ def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text
         assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 198, [
             (a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
     assert len(conversions) == 1, "converted once, then loaded"
+    assert len(loads) == 1, "the Translator loaded once, then kept"
     [folder] = (ckpt.parent.parent / "ct2").glob("last-*")
     assert (folder / "model.bin").is_file() and len(folder.name) == len("last-") + 12
 
@@ -211,6 +216,46 @@ def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_
     assert all(r["status"] == "ok" and r["sent_per_s"] > 0 for r in rows), rows
     assert by_row["attnlab --engine ctranslate2, beam 1"]["same_text"] >= 0.95  # 19 of 20; near-ties aside
     assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 6
+
+
+@pytest.mark.parametrize(("a", "b", "alpha"), [(1.0, 10, 1.0), (0.5, 2, 1.0), (0.5, 2, 0.0)])
+def test_the_engine_keeps_each_sentences_maximum_length_in_few_calls(trained, a, b, alpha, monkeypatch):
+    """ct2_translate at beam 4 with maximum lengths a * source + b that cut some searches (a = 1, b = 10) or most
+    (a = 0.5, b = 2): one call a batch, to its shortest maximum, then the sentences that reached it again with their
+    own; the tokens are those of one call per maximum length (what each sentence's own maximum gives) on every
+    sentence. With alpha 0 CTranslate2's stopping rule depends on the hypotheses asked for: one call per maximum
+    length there."""
+    from attnlab import export_ct2
+    from attnlab.config import DecodeConfig
+    from attnlab.evaluate import token_batches
+
+    ckpt, _, tok = trained["mt"]
+    decode = DecodeConfig(max_len_a=a, max_len_b=b, penalty="fairseq", len_penalty=alpha)
+    sources = [tok.encode(s) + [tok.eos_id] for s, _ in make_pairs(200, seed=17)]
+    limits = [int(a * len(s) + b) for s in sources]
+    batches = token_batches([len(s) for s in sources], 200, 1000)
+    calls = []
+    real = export_ct2._queued
+    monkeypatch.setattr(export_ct2, "_queued", lambda tr, toks, c, *x: calls.append(len(c)) or real(tr, toks, c, *x))
+    ids = export_ct2.ct2_translate(ckpt, sources, batches, decode, 4, torch.device("cpu"), None, workers=1)
+    folder = export_ct2.converted(ckpt)
+    vocab = export_ct2.vocabulary(folder)
+    index = {t: i for i, t in enumerate(vocab)}
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type="float32")
+    by_limit = [([i for i in b if limits[i] == n], n) for b in batches for n in sorted({limits[i] for i in b})]
+    want = {}
+    for idx, n in by_limit:
+        for i, r in zip(idx, translator.translate_batch([[vocab[t] for t in sources[i]] for i in idx], beam_size=4,
+                                                         length_penalty=alpha, max_decoding_length=n), strict=True):
+            want[i] = [index[t] for t in r.hypotheses[0]]
+    assert ids == [want[i] for i in range(len(sources))]
+    cut = sum(len(h) == n for h, n in zip(ids, limits, strict=True))
+    assert 0 < cut < len(sources) // 4 if a == 1.0 else cut > len(sources) // 3, cut
+    if not alpha:
+        assert calls == [len(by_limit), 0]
+    else:  # a call a batch, then one a maximum length of the sentences that reached their batch's shortest
+        assert calls[0] == len(batches) and 0 < calls[1] <= len(set(limits)), calls
+        assert sum(calls) < len(by_limit) or a < 1, (calls, len(by_limit))
 
 
 @pytest.mark.parametrize("fails_at", ["load", "decode"])

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -217,17 +218,27 @@ def model_spec(specs, cfg: ModelConfig, s: dict[str, torch.Tensor], tokens: list
 
 
 # ---------------------------------------------------------------------------------------------- the engine
+_CONVERTED: dict[tuple[str, int, int], Path] = {}  # (checkpoint file, size, mtime) -> its folder: hashed once
+
+
 def converted(ckpt_path: str | Path) -> Path:
     """The CTranslate2 folder of this checkpoint file, converted on first use: `<run dir>/ct2/<stem>-<SHA-256 of
     the file, 12 digits>/` (a checkpoint rewritten in place, as averaged_lastN.ckpt is, gets a new folder). Written
     beside and renamed into place, so a killed conversion leaves nothing half-made and two processes that convert
-    at once both end with the one folder."""
+    at once both end with the one folder. A file already hashed in this process, unchanged since (size and
+    modification time), is not read again."""
     ckpt_path = Path(ckpt_path).resolve()
+    stat = ckpt_path.stat()
+    seen = (str(ckpt_path), stat.st_size, stat.st_mtime_ns)  # the file as hashed last time in this process
+    folder = _CONVERTED.get(seen)
+    if folder is not None and (folder / "model.bin").is_file():
+        return folder
     digest = hashlib.sha256()
     with open(ckpt_path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     folder = run_dir_of(ckpt_path) / "ct2" / f"{ckpt_path.stem}-{digest.hexdigest()[:12]}"
+    _CONVERTED[seen] = folder
     if (folder / "model.bin").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -263,14 +274,25 @@ def vocabulary(folder: Path) -> list[str]:
 
 def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list[list[int]], decode: DecodeConfig,
                   beam: int, device: torch.device, dtype: torch.dtype | None,
-                  cap: int | None = None) -> list[list[int]]:
+                  cap: int | None = None, workers: int | None = None) -> list[list[int]]:
     """Decode the token ids of `sources` (each ending in EOS), batch by batch (lists of indices), with
     CTranslate2 on `device`: beam search with `beam` and length penalty decode.len_penalty, at most
     int(max_len_a * source length + max_len_b) tokens and at most `cap`, as attnlab. Returns each sentence's
-    output ids without EOS.
+    output ids without EOS. On a CPU `workers` batches (default: torch's thread count) are decoded at once, each on
+    one thread (CTranslate2's inter_threads; intra_threads 1).
     A hypothesis cut at that length is scored without an EOS (attnlab, as fairseq, forces and counts one).
     CTranslate2 normalises a finished hypothesis by len^alpha, fairseq's penalty; with decode.penalty gnmt that
-    form is used all the same (a warning says so)."""
+    form is used all the same (a warning says so).
+
+    Each sentence keeps its own maximum length, though CTranslate2 takes one a call, with one call a batch:
+    greedy decodes to the batch's largest and cuts each output at its own (a greedy output's prefix does not depend
+    on how far it goes on). Beam search decodes to the batch's smallest, asking for all `beam` hypotheses: a search
+    that reached that length ends its beams there, with exactly that many tokens (one that ends by itself holds
+    fewer, its EOS not counted), and is the same search as with a larger maximum until then. A sentence with such a
+    hypothesis among its `beam` best and a larger maximum of its own is decoded again, with the sentences of the
+    same maximum (every other sentence's result is the one its own maximum gives). With len_penalty 0
+    CTranslate2 stops a search once its best beam ends, a rule that depends on the hypotheses asked for: there,
+    one call for each maximum length in the batch."""
     ct2 = _ct2("decode.engine=ctranslate2")
     folder = converted(ckpt_path)
     if beam > 1 and decode.penalty != "fairseq" and decode.len_penalty:
@@ -279,31 +301,71 @@ def ct2_translate(ckpt_path: str | Path, sources: list[list[int]], batches: list
     # On a CPU: torch's thread count as that many batches at once, one thread each. In a process where torch has
     # run on several threads, CTranslate2's own intra-op threads slow it down instead (measured on 2 cores: 2
     # intra threads 232 sent/s greedy, 2 inter threads 556, 1 thread 446; bench/RESULTS.md).
-    workers = torch.get_num_threads() if device.type == "cpu" else 1
-    with cuda_libraries(ct2):
-        translator = ct2.Translator(str(folder), device=device.type, device_index=device.index or 0,
-                                    compute_type=compute_type(dtype), inter_threads=workers, intra_threads=1)
+    if workers is None or device.type != "cpu":
+        workers = torch.get_num_threads() if device.type == "cpu" else 1
+    translator = loaded_translator(ct2, folder, device, compute_type(dtype), workers)
     vocab = vocabulary(folder)
     index = {t: i for i, t in enumerate(vocab)}
-    out: list[list[int]] = [[] for _ in sources]
+    tokens = [[vocab[t] for t in ids] for ids in sources]
     # decode.max_lengths' rule, and its cap (`cap`: decode.position_cap, a learned position table's length)
     limits = [min(int(decode.max_len_a * len(ids) + decode.max_len_b), cap if cap is not None else 1 << 30)
               for ids in sources]
-    pending: list[tuple[list[int], list]] = []
+    out: list[list[int]] = [[] for _ in sources]
+    exact = beam > 1 and not decode.len_penalty  # one call per maximum length (the docstring)
+    calls = []  # (indices, their maximum length): the batches, or each batch's sentences of one maximum length
     for batch in batches:
-        # CTranslate2 takes one maximum length a batch. Greedy: decode to the batch's largest and cut each output
-        # at its own (a greedy output's prefix does not depend on how far it goes on). Beam: a batch per limit.
-        by_limit = [[i for i in batch if limits[i] == n] for n in sorted({limits[i] for i in batch})]
-        parts = [batch] if beam == 1 else by_limit
-        for idx in parts:  # queued at once: the translator's workers take them in turn
-            pending.append((idx, translator.translate_batch(
-                [[vocab[t] for t in sources[i]] for i in idx], beam_size=beam, length_penalty=decode.len_penalty,
-                max_decoding_length=max(limits[i] for i in idx), asynchronous=True)))
-    with cuda_libraries(ct2):  # CTranslate2 opens cuBLAS at its first matrix product on a GPU
-        for idx, results in pending:
-            for i, r in zip(idx, results, strict=True):
-                out[i] = [index[t] for t in r.result().hypotheses[0][: limits[i]]]
+        if exact:
+            calls += [([i for i in batch if limits[i] == n], n) for n in sorted({limits[i] for i in batch})]
+        else:
+            calls.append((batch, (max if beam == 1 else min)(limits[i] for i in batch)))
+    again: dict[int, list[int]] = {}  # maximum length -> the sentences decoded again with it
+    n_best = 1 if beam == 1 or exact else beam
+    for idx, length, results in _queued(translator, tokens, calls, beam, decode.len_penalty, n_best, ct2):
+        for i, r in zip(idx, results, strict=True):
+            if length < limits[i] and any(len(h) == length for h in r.hypotheses):
+                again.setdefault(limits[i], []).append(i)  # beam search reached the call's maximum: not its own
+            else:
+                out[i] = [index[t] for t in r.hypotheses[0][: limits[i]]]
+    for idx, _, results in _queued(translator, tokens, [(idx, n) for n, idx in sorted(again.items())], beam,
+                                   decode.len_penalty, 1, ct2):
+        for i, r in zip(idx, results, strict=True):
+            out[i] = [index[t] for t in r.hypotheses[0]]
     return out
+
+
+def _queued(translator, tokens: list[list[str]], calls: list[tuple[list[int], int]], beam: int, len_penalty: float,
+            n_best: int, ct2):
+    """(indices, maximum length, results) of each call, all queued at once (the translator's workers take them in
+    turn)."""
+    pending = [(idx, length, translator.translate_batch(
+        [tokens[i] for i in idx], beam_size=beam, length_penalty=len_penalty, max_decoding_length=length,
+        num_hypotheses=n_best, asynchronous=True)) for idx, length in calls]
+    with cuda_libraries(ct2):  # CTranslate2 opens cuBLAS at its first matrix product on a GPU
+        for idx, length, results in pending:
+            yield idx, length, [r.result() for r in results]
+
+
+_TRANSLATORS: dict[tuple, object] = {}  # the Translator last loaded, kept for the later calls of this process
+_TRANSLATORS_LOCK = threading.Lock()
+
+
+def loaded_translator(ct2, folder: Path, device: torch.device, compute: str, workers: int):
+    """A ctranslate2.Translator of `folder`, loaded at the first call and kept for the next ones with the same
+    folder, device, compute type and workers (loading costs more than translating a test split on a GPU). One is
+    kept: another model or setting replaces it. Torch's thread count is left as it was (loading a Translator sets
+    the calling thread's OpenMP threads, which torch's count is, to its intra_threads: 1)."""
+    key = (id(ct2), str(folder), device.type, device.index or 0, compute, workers)
+    with _TRANSLATORS_LOCK:
+        if key not in _TRANSLATORS:
+            _TRANSLATORS.clear()  # its weights go with it
+            threads = torch.get_num_threads()
+            try:
+                with cuda_libraries(ct2):
+                    _TRANSLATORS[key] = ct2.Translator(str(folder), device=device.type, device_index=device.index or 0,
+                                                       compute_type=compute, inter_threads=workers, intra_threads=1)
+            finally:  # loading sets this thread's OpenMP thread count, torch's too, to intra_threads
+                torch.set_num_threads(threads)
+        return _TRANSLATORS[key]
 
 
 @contextlib.contextmanager
