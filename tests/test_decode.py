@@ -410,3 +410,34 @@ def test_generate_stops_rows_at_eos(lm):
 def test_generate_needs_a_decoder_only_model(seq2seq):
     with pytest.raises(TypeError, match="decoder_only"):
         generate(seq2seq, [[1, 2]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_translate_lines_gives_the_sequential_texts_on_any_number_of_workers(tokenizer, beam):
+    """translate_lines with token batches decoded by 2 or 3 workers at once (each batch on its own thread, in order of
+    cost) gives the texts of one worker decoding them in turn, empty lines included; torch's thread count is back
+    after."""
+    import threading
+
+    from attnlab.evaluate import translate_lines
+    from attnlab.lit import Seq2SeqModule
+    from conftest import make_pairs
+
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2,
+                      dropout=0.0)
+    torch.manual_seed(0)
+    module = Seq2SeqModule(cfg.to_dict(), {}, {"max_len_a": 0.5, "max_len_b": 4})  # lengths: 4 + half the source's
+    jitter(module.model, seed=3)
+    lines = [s for s, _ in make_pairs(40, seed=7)] + ["", "open the window 3."]
+    seen: list[str] = []
+    real = module.translate_ids
+    module.translate_ids = lambda src, b=None: seen.append(threading.current_thread().name) or real(src, b)
+    threads = torch.get_num_threads()
+    alone = translate_lines(module, tokenizer, lines, beam=beam, device="cpu", max_tokens=60, workers=1)
+    assert len(set(seen)) == 1 and len(seen) >= 6  # several batches, all in this thread
+    assert alone[40] == "" and all(alone[:40])
+    for workers in (2, 3):
+        seen.clear()
+        assert translate_lines(module, tokenizer, lines, beam=beam, device="cpu", max_tokens=60,
+                               workers=workers) == alone
+        assert 2 <= len(set(seen)) <= workers and torch.get_num_threads() == threads

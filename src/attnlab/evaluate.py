@@ -123,13 +123,16 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
 def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: int | None = None,
                     batch_sentences: int | None = None, max_tokens: int | None = None,
                     device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                    engine: str | None = None, ckpt_path: str | Path | None = None) -> list[str]:
+                    engine: str | None = None, ckpt_path: str | Path | None = None,
+                    workers: int | None = None) -> list[str]:
     """Translate raw text lines on `device` (default: `pick_device()`), under autocast to `dtype` when given.
     `engine` (default: the module's decode.engine): attnlab, or ctranslate2 on the checkpoint file `ckpt_path`
     (the module's weights; converted once and cached: export_ct2.converted).
     Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens
-    (default: the module's decode config), and put back in order. Empty lines give empty translations; lines
-    longer than the model's max_seq_len tokens are cut there, with a warning (a learned position table ends there;
+    (default: the module's decode config), and put back in order. On a CPU `workers` batches (default: torch's
+    thread count) are decoded at once, each on one thread (`batch_workers`); the texts do not depend on it.
+    CTranslate2 takes batches of `max_tokens` tokens whatever their sentences. Empty lines give empty translations;
+    lines longer than the model's max_seq_len tokens are cut there, with a warning (a learned position table ends there;
     other positions were never trained beyond it either, and the output budget a * length + b grows with it)."""
     cfg = module.model_cfg
     bs = batch_sentences or module.decode_cfg.batch_sentences
@@ -145,19 +148,22 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
             ids = ids[: limit - 1] + [eos]
         encoded.append(ids)
     todo = [i for i in range(len(lines)) if lines[i].strip()]
-    batches = [[todo[j] for j in b] for b in token_batches([len(encoded[i]) for i in todo], bs, max_tok)]
+    lengths = [len(encoded[i]) for i in todo]
     out: list[str] = [""] * len(lines)
     engine = engine or module.decode_cfg.engine
+    workers = workers or (torch.get_num_threads() if dev.type == "cpu" else 1)
     if engine == "ctranslate2":
         if ckpt_path is None:
             raise ValueError("translate_lines with engine=ctranslate2 needs the checkpoint file (ckpt_path)")
         from .export_ct2 import ct2_translate  # the ctranslate2 extra
 
+        batches = [[todo[j] for j in b] for b in token_batches(lengths, max(len(todo), 1), max_tok)]  # tokens only
         ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype,
-                            cap=position_cap(cfg))
+                            cap=position_cap(cfg), workers=workers)
         for i, h in zip(todo, tokenizer.decode_batch([ids[i] for i in todo]), strict=True):
             out[i] = h
         return out
+    batches = [[todo[j] for j in b] for b in token_batches(lengths, bs, max_tok)]
     module.to(dev)
 
     def translate(idx: list[int]) -> None:
@@ -178,29 +184,36 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     try:
         # compiled blocks run eagerly for the whole call: the stance is process-wide, and searches on several threads
         # entering and leaving it each (translate_ids) would leave it off while another still decodes
-        with bar, eager_blocks(), batch_workers(dev, len(batches)) as pool:
-            for _ in pool.map(translate, batches):
+        with bar, eager_blocks(), batch_workers(dev, len(batches), workers) as pool:
+            # the costliest first, so that no worker is left with a long batch at the end (the texts stay the same:
+            # each batch is decoded alone, on whichever worker)
+            for _ in pool.map(translate, sorted(batches, key=lambda b: -batch_cost([len(encoded[i]) for i in b]))):
                 bar.update()
     finally:
         module.train(was_training)
     return out
 
 
+def batch_cost(lengths: list[int]) -> int:
+    """A batch's decoding time, roughly, from its sources' lengths: its steps (the longest output, which grows with
+    the longest source) each cost a fixed part and a part per sentence (on a CPU, about as much as 8 sentences)."""
+    return max(lengths) * (len(lengths) + 8)
+
+
 @contextlib.contextmanager
-def batch_workers(device: torch.device, n_batches: int) -> Iterator[Any]:
-    """Where batches are decoded. On a CPU where torch runs N > 1 threads: N batches at once, each on one thread,
-    as CTranslate2's `inter_threads` does: a decoding step's small matrices split poorly across threads, and one
-    thread's Python work overlaps the other's kernels (torch releases the GIL in its operators). With fewer batches
-    than threads, each of the B batches gets N // B threads, so no core that torch would use sits idle (torch's
-    thread count is per thread; this thread's is restored after). Elsewhere, or for a single batch, one batch at a
-    time in this thread."""
+def batch_workers(device: torch.device, n_batches: int, workers: int | None = None) -> Iterator[Any]:
+    """Where batches are decoded. On a CPU with `workers` (default: torch's thread count N) > 1: that many batches
+    at once, each on one thread, as CTranslate2's `inter_threads` does: a decoding step's small matrices split
+    poorly across threads, and one thread's Python work overlaps the other's kernels (torch releases the GIL in its
+    operators). With fewer batches than workers, each of the B batches gets N // B threads, so no core that torch
+    would use sits idle (torch's thread count is per thread; this thread's is restored after). Elsewhere, or for a
+    single batch, one batch at a time in this thread."""
     n = torch.get_num_threads() if device.type == "cpu" else 1
-    if n < 2 or n_batches < 2:
+    workers = min(workers or n, n_batches) if device.type == "cpu" else 1
+    if workers < 2:
         yield SimpleNamespace(map=map)  # `map` in this thread, as the pool's (results in order, lazily)
         return
-    workers = min(n, n_batches)
-    each = n // workers
-    torch.set_num_threads(each)  # the pool's new threads take this count at their first operator
+    torch.set_num_threads(max(n // workers, 1))  # the pool's new threads take this count at their first operator
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="attnlab-decode") as pool:
             yield pool
