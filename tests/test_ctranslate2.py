@@ -168,6 +168,13 @@ def test_translate_with_engine_ctranslate2_converts_once_and_gives_attnlabs_text
             (a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
     assert len(conversions) == 1, "converted once, then loaded"
     assert len(loads) == 1, "the Translator loaded once, then kept"
+    threads = torch.get_num_threads()
+    try:  # --threads: torch's thread count, so as many batches at once; the same lines
+        assert main([*base, "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().out.splitlines() == ours
     [folder] = (ckpt.parent.parent / "ct2").glob("last-*")
     assert (folder / "model.bin").is_file() and len(folder.name) == len("last-") + 12
 

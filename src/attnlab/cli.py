@@ -222,6 +222,8 @@ def cmd_translate(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         lines.pop()
     lines = [line.removesuffix("\r") for line in lines]
     dtype = decode_dtype(dev, recipe_precision(args.ckpt))
+    if args.threads and dev.type == "cpu":  # as many batches decoded at once, each on one thread (translate_lines)
+        torch.set_num_threads(args.threads)
     for hyp in translate_lines(module, tok, lines, beam=args.beam, device=dev, dtype=dtype, engine=args.engine,
                                ckpt_path=args.ckpt):
         print(hyp.replace("\r", " ").replace("\n", " "))  # a decoded newline must not break the alignment
@@ -357,6 +359,9 @@ def build_parser() -> Parser:
     tr.add_argument("--ckpt", required=True, help="a checkpoint; it carries its tokenizer")
     tr.add_argument("--input", default="-")
     tr.add_argument("--beam", type=positive_int, default=None, help="beam size (default: decode.beam)")
+    tr.add_argument("--threads", type=positive_int, default=None,
+                    help="CPU threads: as many batches decoded at once, one thread each (default: torch's count, the "
+                         "machine's cores); with --engine ctranslate2 its inter_threads")
     add_engine_arg(tr)
     add_device_arg(tr)
     gen = sub.add_parser("generate", help="sample from a language-model checkpoint")
