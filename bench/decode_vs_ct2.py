@@ -1,28 +1,38 @@
-"""attnlab's decoding against CTranslate2 on a trained translation checkpoint, side by side in one process.
+"""attnlab's decoding against CTranslate2 on a trained translation checkpoint, each engine alone in its own process.
 
-    python bench/decode_vs_ct2.py --ckpt runs/demo_en_de/checkpoints/last.ckpt --threads 1,2
+    python bench/decode_vs_ct2.py --ckpt runs/demo_en_de/checkpoints/last.ckpt --threads 1,2 \\
+        --json bench/results/decode_vs_ct2_cpu_<date>.json
     python bench/decode_vs_ct2.py --ckpt ... --device cuda --json $OUT/decode_ct2.json
 
-The checkpoint is exported with `attnlab export --format ctranslate2` (into a temporary folder), and both decode
-the sentences of the recipe's test split (or --limit of them): attnlab through `translate_lines` (what `attnlab
-test` and `translate` run), CTranslate2 through `Translator.translate_batch`, each with the recipe's beam and
-maximum length and fairseq's length penalty len^alpha with the recipe's alpha (the one CTranslate2 implements;
-CTranslate2's maximum length is one per batch: the largest of attnlab's a * source + b), fp32 on a CPU (float32
-compute in CTranslate2), greedy (beam 1) and beam 4, at each thread count
-(torch.set_num_threads; CTranslate2's intra_threads). Decode time only: sentences/s of the mean of --repeats
-passes after one warm-up pass. The share of sentences where both give the same tokens is reported beside it.
-Beside them, `--engine ctranslate2` as `attnlab test` / `translate` run it: the checkpoint converted once into
-<run dir>/ct2/, the sentences sorted by length and batched as attnlab batches them, one maximum length per
-sentence (the plain CTranslate2 row takes the sentences in their order, in batches of decode.batch_sentences).
-Every row gives its test BLEU. On CUDA, attnlab also runs with decode.cuda_graph (each decoding step one CUDA
-graph). `--int8` (CPU) adds int8 rows, reported apart from the fp32 comparison: attnlab
-with torch's dynamic quantization of its linear layers, and the engine with CTranslate2's int8 compute.
+Both decode the sentences of the recipe's test split (or the first --limit), greedy (beam 1) and beam 4, each with
+the recipe's maximum length a * source + b and fairseq's length penalty len^alpha with the recipe's alpha (the one
+CTranslate2 implements), fp32 (float32 compute in CTranslate2). At each thread count N (a CPU; one run on CUDA),
+three processes, one after the other, each alone on the machine:
+
+    attnlab                     `translate_lines`, what `attnlab test` and `translate` run: N batches at once, each
+                                on one thread (`--workers`); on CUDA also with decode.cuda_graph
+    ctranslate2                 CTranslate2 as its users set it up: `Translator(inter_threads=N, intra_threads=1)`,
+                                one `translate_batch` of every sentence in batches of --ct2-tokens tokens
+                                (`max_batch_size`, `batch_type="tokens"`), its one maximum length the largest of the
+                                sentences' (each output then cut at its own); beside it with CTranslate2's default
+                                maximum, 256 (a sentence that never ends stops there, not at its own maximum)
+    attnlab --engine ctranslate2  `translate_lines(engine="ctranslate2")`: the checkpoint converted once into
+                                <run dir>/ct2/, each sentence's own maximum length kept (export_ct2.ct2_translate)
+
+Each row: sentences/s of the mean of --repeats passes after a warm-up pass (and of the fastest), the share of
+sentences whose text is attnlab's own (attnlab's row at the first thread count, same beam), the test BLEU, what
+ran (`config`) and the load average before and after. `--in-process` runs the rows in this process instead (for
+the tests: the timings then share a process). `--int8` (CPU) adds int8 rows, apart from the fp32 comparison:
+attnlab with torch's dynamic quantization of its linear layers, the engine with CTranslate2's int8 compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,24 +43,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Env, need, print_table, run_row, write_json  # noqa: E402
 
-from attnlab.config import DecodeConfig  # noqa: E402
+from attnlab.decode import position_cap  # noqa: E402
 from attnlab.evaluate import load_module, load_tokenizer, run_dir_of, translate_lines  # noqa: E402
 from attnlab.experiment import load_experiment  # noqa: E402
-from attnlab.export_ct2 import export_ctranslate2  # noqa: E402
+from attnlab.export_ct2 import converted, vocabulary  # noqa: E402
 from attnlab.train import prepare  # noqa: E402
 
+ENGINES = ("attnlab", "ctranslate2", "attnlab --engine ctranslate2")
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
-    t0 = time.perf_counter()
+
+def timed(fn, repeats: int) -> tuple[list[float], object]:
+    """Seconds of each of `repeats` passes after a warm-up pass, and the last pass's output."""
+    fn()
+    seconds, out = [], None
     for _ in range(repeats):
+        t0 = time.perf_counter()
         out = fn()
-    return (time.perf_counter() - t0) / repeats, out
+        seconds.append(time.perf_counter() - t0)
+    return seconds, out
 
 
-def same_text(mine: list[str], out: list[str]) -> float | None:
-    """The share of sentences where `out` is attnlab fp32's text `mine` (None before attnlab's row ran)."""
-    return sum(a == b for a, b in zip(mine, out, strict=True)) / len(out) if mine else None
+def speed(seconds: list[float], n: int) -> dict:
+    return {"sent_per_s": n / (sum(seconds) / len(seconds)), "sent_per_s_best": n / min(seconds),
+            "seconds": [round(s, 4) for s in seconds]}
 
 
 def cublas_files(device: str) -> dict:
@@ -65,141 +80,175 @@ def cublas_files(device: str) -> dict:
     return {"cublas_files": sorted({line.split()[-1] for line in maps.splitlines() if "libcublas" in line})}
 
 
-def int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu) -> None:
-    """attnlab with torch's dynamic int8 quantization of its nn.Linear layers (a copy of the model), and the engine
-    with CTranslate2's int8 compute: speed, the share of attnlab fp32's text, BLEU."""
+# ---------------------------------------------------------------------------------------------- one engine
+def run_engine(spec: dict) -> list[dict]:
+    """The rows of one engine at one thread count (`spec`, from `main`), each with its texts."""
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    workers = spec["threads"] or None
+    n = len(spec["lines"])
+    rows = []
+    if spec["engine"] == "ctranslate2":  # no attnlab in the timed loop: CTranslate2's API as its users call it
+        import ctranslate2
+
+        ct2_cfg = dict(device=spec["device"], compute_type="float32", inter_threads=max(spec["threads"], 1),
+                       intra_threads=1)
+        translator = ctranslate2.Translator(spec["folder"], **ct2_cfg)
+        for beam in spec["beams"]:
+            # the largest of the sentences' maximum lengths (then none is cut before attnlab's), and CTranslate2's
+            # default (256), which users who set none get
+            for length, what in ((max(spec["limits"]), ""), (256, ", max_decoding_length 256")):
+                kw = dict(beam_size=beam, length_penalty=spec["len_penalty"], max_batch_size=spec["ct2_tokens"],
+                          batch_type="tokens", max_decoding_length=length)
+                seconds, results = timed(lambda kw=kw: translator.translate_batch(spec["tokens"], **kw),
+                                         spec["repeats"])
+                hyps = [r.hypotheses[0][:limit] for r, limit in zip(results, spec["limits"], strict=True)]
+                rows.append({"row": f"ctranslate2 beam {beam}{what}", "beam": beam, **speed(seconds, n),
+                             "hyps": hyps, "config": {**ct2_cfg, **kw}, **cublas_files(spec["device"])})
+        return rows
+    module, tok = load_module(spec["ckpt"]), load_tokenizer(spec["ckpt"])
+    # fairseq's length penalty (the one both implement), the decode config's batching unless --max-tokens
+    cfg = module.decode_cfg.replace(penalty="fairseq", **spec["decode"])
+    device = torch.device(spec["device"])
+    engine = "ctranslate2" if spec["engine"] != "attnlab" else "attnlab"
+    for beam in spec["beams"]:
+        for graph in (False, True) if spec["device"] == "cuda" and engine == "attnlab" else (False,):
+            module.decode_cfg = cfg.replace(cuda_graph=graph)
+            seconds, out = timed(lambda beam=beam: translate_lines(
+                module, tok, spec["lines"], beam=beam, device=device, engine=engine, ckpt_path=spec["ckpt"],
+                workers=workers), spec["repeats"])
+            name = spec["engine"] + (", " if engine != "attnlab" else " ") + f"beam {beam}"
+            rows.append({"row": name + (", decode.cuda_graph" if graph else ""), "beam": beam, **speed(seconds, n),
+                         "texts": out, "config": {**module.decode_cfg.to_dict(), "engine": engine, "workers": workers,
+                                                  "torch_threads": torch.get_num_threads()},
+                         **(cublas_files(spec["device"]) if engine != "attnlab" else {})})
+        if spec["int8"]:
+            rows.append(int8_row(module, tok, spec, beam, engine, workers))
+    return rows
+
+
+def int8_row(module, tok, spec: dict, beam: int, engine: str, workers: int | None) -> dict:
+    """attnlab with torch's dynamic int8 quantization of its nn.Linear layers, or the engine with CTranslate2's int8
+    compute."""
     import warnings
 
     from torch import nn
 
     import attnlab.export_ct2 as export_ct2
 
+    fp32, real = module.model, export_ct2.compute_type
     with warnings.catch_warnings():  # torch deprecates its quantized tensors in favour of torchao
         warnings.simplefilter("ignore")
-        # a copy of the model; the module's own (fp32) is swapped back after the rows (a shallow copy of the module
-        # would share its submodule dict, and quantize the fp32 rows of the next thread count with it)
-        fp32, int8 = module.model, torch.ao.quantization.quantize_dynamic(copy.deepcopy(module.model), {nn.Linear},
-                                                                           dtype=torch.qint8)
-        for beam in beams:
-            def q_row(beam=beam) -> dict:
-                module.model = int8
-                try:
-                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
-                                         args.repeats)
-                finally:
-                    module.model = fp32
-                return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds,
-                        "same_text": same_text(ours.get(beam, []), out), "bleu": bleu(out)}
-
-            def e_row(beam=beam) -> dict:
-                real = export_ct2.compute_type
-                export_ct2.compute_type = lambda dtype: "int8"  # the engine's compute type, for this row only
-                try:
-                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
-                                                                 engine="ctranslate2", ckpt_path=args.ckpt),
-                                         args.repeats)
-                finally:
-                    export_ct2.compute_type = real
-                return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
-                        "same_text": same_text(ours.get(beam, []), out), "bleu": bleu(out)}
-
-            base = {"threads": n, "beam": beam, "sentences": len(srcs)}
-            run_row(rows, {**base, "row": f"attnlab int8 (torch dynamic), beam {beam}"}, q_row)
-            run_row(rows, {**base, "row": f"attnlab --engine ctranslate2 int8, beam {beam}"}, e_row)
+        if engine == "attnlab":
+            module.model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8)
+        else:
+            export_ct2.compute_type = lambda dtype: "int8"
+        try:
+            seconds, out = timed(lambda: translate_lines(module, tok, spec["lines"], beam=beam, device="cpu",
+                                                         engine=engine, ckpt_path=spec["ckpt"], workers=workers),
+                                 spec["repeats"])
+        finally:
+            module.model, export_ct2.compute_type = fp32, real
+    what = "attnlab int8 (torch dynamic)" if engine == "attnlab" else "attnlab --engine ctranslate2 int8"
+    return {"row": f"{what}, beam {beam}", "beam": beam, **speed(seconds, len(spec["lines"])), "texts": out,
+            "int8": True}
 
 
+def in_child(spec: dict, in_process: bool) -> list[dict]:
+    """run_engine(spec) in a new Python process (or in this one)."""
+    if in_process:
+        threads = torch.get_num_threads()
+        try:
+            return run_engine(spec)
+        finally:
+            torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="decode_vs_ct2-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec), encoding="utf-8")
+        subprocess.run([sys.executable, __file__, "--child", str(path)], check=True)
+        return json.loads((Path(tmp) / "rows.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------- the table
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", required=True, help="a translation checkpoint whose variant exports (Marian's)")
+    p.add_argument("--ckpt", help="a translation checkpoint whose variant exports (Marian's)")
     p.add_argument("--threads", default="1,2", help="CPU thread counts, comma-separated")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--beams", default="1,4")
     p.add_argument("--limit", type=int, default=0, help="at most this many test sentences (0: all)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=DecodeConfig.max_tokens,
-                   help="decode.max_tokens for both (default: today's default, whatever the run's config says)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="decode.max_tokens for attnlab and its engine (default: the run's decode config)")
+    p.add_argument("--batch-sentences", type=int, default=None,
+                   help="decode.batch_sentences for attnlab (default: the run's decode config)")
+    p.add_argument("--ct2-tokens", type=int, default=4096, help="the ctranslate2 row's max_batch_size in tokens")
+    p.add_argument("--engines", default=",".join(ENGINES), help="rows to run, comma-separated, of: " +
+                   ", ".join(ENGINES))
     p.add_argument("--int8", action="store_true",
                    help="also int8 rows on a CPU: attnlab with torch's dynamic quantization of its nn.Linear layers "
                         "(the tied output projection stays fp32), and the engine with CTranslate2's int8 compute")
+    p.add_argument("--in-process", action="store_true", help="run the engines in this process (tests)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    ctranslate2 = need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
-    transformers = need("transformers", "pip install 'attnlab[hf]'")
+    if args.child is not None:  # one engine's process: its rows to rows.json beside the spec
+        rows = run_engine(json.loads(args.child.read_text(encoding="utf-8")))
+        (args.child.parent / "rows.json").write_text(json.dumps(rows), encoding="utf-8")
+        return rows
+    if args.ckpt is None:
+        p.error("the following arguments are required: --ckpt")
+    need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
+    sacrebleu = need("sacrebleu", "pip install sacrebleu")
     exp = load_experiment(run_dir_of(args.ckpt) / "config.yaml")
     srcs, refs = prepare(exp)[0].split_texts("test")
     srcs, refs = (srcs[: args.limit], refs[: args.limit]) if args.limit else (srcs, refs)
-    sacrebleu = need("sacrebleu", "pip install sacrebleu")
-
-    def bleu(hyps: list[str]) -> float:
-        return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     module, tok = load_module(args.ckpt), load_tokenizer(args.ckpt)
-    # fairseq's length penalty: the one both implement
-    module.decode_cfg = module.decode_cfg.replace(penalty="fairseq", max_tokens=args.max_tokens)
     cfg = module.decode_cfg
-    device = torch.device(args.device)
-    env = Env(device, False, None, float("nan"))
+    folder = converted(args.ckpt)  # the engine's folder, converted here once: no row pays for it
+    vocab = vocabulary(folder)
+    ids = [list(i)[: module.model_cfg.max_seq_len - 1] + [tok.eos_id] for i in tok.encode_batch(srcs)]  # as ours
+    cap = position_cap(module.model_cfg)  # decode.max_lengths' rule and cap
+    limits = [min(int(cfg.max_len_a * len(s) + cfg.max_len_b), cap if cap is not None else 1 << 30) for s in ids]
+    index = {t: i for i, t in enumerate(vocab)}
+    decode = {k: v for k, v in (("max_tokens", args.max_tokens), ("batch_sentences", args.batch_sentences))
+              if v is not None}
+    base = dict(ckpt=str(args.ckpt), folder=str(folder), device=args.device, lines=srcs, tokens=[
+        [vocab[t] for t in s] for s in ids], limits=limits, len_penalty=cfg.len_penalty, ct2_tokens=args.ct2_tokens,
+        beams=[int(b) for b in args.beams.split(",")], repeats=args.repeats, decode=decode,
+        int8=args.int8 and args.device == "cpu")
+    threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
+    engines = [e.strip() for e in args.engines.split(",")]
+    env = Env(torch.device(args.device), False, None, float("nan"))
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = export_ctranslate2(args.ckpt, Path(tmp) / "ct2")
-        hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
-        tokens = [hf_tok.convert_ids_to_tokens(hf_tok(s)["input_ids"]) for s in srcs]
-        limits = [int(cfg.max_len_a * len(t) + cfg.max_len_b) for t in tokens]
-        threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
-        beams = [int(b) for b in args.beams.split(",")]
-        for n in threads:
-            if n:
-                torch.set_num_threads(n)
-            # attnlab first at each thread count, CTranslate2 after: a live Translator's intra-op threads slow
-            # torch's (measured: 2 torch threads 30% slower beside an idle 2-thread Translator; 5x after it ran)
-            ours: dict[int, list[str]] = {}
-            # on CUDA also with decode.cuda_graph (every step one CUDA graph); each row says which it ran, whatever
-            # the checkpoint's recipe says
-            for beam in beams:
-                for graph in (False, True) if args.device == "cuda" else (False,):
-                    def attnlab_row(beam=beam, graph=graph, ours=ours) -> dict:
-                        module.decode_cfg = cfg.replace(cuda_graph=graph)
-                        try:
-                            seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device),
-                                                 args.repeats)
-                        finally:
-                            module.decode_cfg = cfg
-                        mine = {"same_text": same_text(ours.get(beam, []), out)} if graph else {}
-                        ours.setdefault(beam, out)  # the default path's text, which the other rows compare with
-                        return {"engine": "attnlab", "sent_per_s": len(srcs) / seconds, **mine, "bleu": bleu(out)}
+    ours: dict[int, list[str]] = {}  # beam -> attnlab's text at the first thread count
+    for n in threads:
+        for engine in [e for e in ENGINES if e in engines]:
+            load = os.getloadavg()[0]
+            try:
+                got = in_child({**base, "engine": engine, "threads": n}, args.in_process)
+            except Exception as e:  # a failed engine is a failed row: the others still run
+                got = [{"row": engine, "error": f"{type(e).__name__}: {e}"}]
+            loads = {"load_before": load, "load_after": os.getloadavg()[0]}  # 1-minute load averages
+            for r in got:
+                texts = r.pop("texts", None)
+                if "hyps" in r:
+                    texts = tok.decode_batch([[index[t] for t in h] for h in r.pop("hyps")])
+                if engine == "attnlab" and texts is not None and not r.get("int8"):
+                    ours.setdefault(r["beam"], texts)
 
-                    run_row(rows, {"threads": n or "-", "beam": beam, "sentences": len(srcs),
-                                   "row": f"attnlab beam {beam}" + (", decode.cuda_graph" if graph else "")},
-                            attnlab_row)
-            translator = ctranslate2.Translator(str(folder), device=args.device, compute_type="float32",
-                                                intra_threads=n)
-            for beam in beams:
-                base = {"threads": n or "-", "beam": beam, "sentences": len(srcs)}
-                mine = ours.get(beam, [])
+                def row(r=r, texts=texts, loads=loads) -> dict:
+                    if "error" in r:
+                        raise RuntimeError(r["error"])
+                    mine = ours.get(r["beam"])
+                    same = sum(a == b for a, b in zip(mine, texts, strict=True)) / len(texts) if mine else None
+                    return {**r, "same_text": same, "bleu": round(sacrebleu.corpus_bleu(texts, [refs]).score, 2),
+                            **loads}
 
-                def ct2_row(beam=beam, mine=mine, translator=translator) -> dict:
-                    def call():
-                        return [r.hypotheses[0] for r in translator.translate_batch(
-                            tokens, beam_size=beam, max_batch_size=cfg.batch_sentences,
-                            length_penalty=cfg.len_penalty, max_decoding_length=max(limits))]
-                    seconds, hyps = timed(call, args.repeats)
-                    text = [hf_tok.decode(hf_tok.convert_tokens_to_ids(h), skip_special_tokens=True) for h in hyps]
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
-                            "same_text": same_text(mine, text), "bleu": bleu(text), **cublas_files(args.device)}
-
-                def engine_row(beam=beam, mine=mine) -> dict:  # what `--engine ctranslate2` runs
-                    seconds, out = timed(lambda: translate_lines(module, tok, srcs, beam=beam, device=device,
-                                                                 engine="ctranslate2", ckpt_path=args.ckpt),
-                                         args.repeats)
-                    return {"engine": "ctranslate2", "sent_per_s": len(srcs) / seconds,
-                            "same_text": same_text(mine, out), "bleu": bleu(out), **cublas_files(args.device)}
-
-                run_row(rows, {**base, "row": f"ctranslate2 beam {beam}"}, ct2_row)
-                run_row(rows, {**base, "row": f"attnlab --engine ctranslate2, beam {beam}"}, engine_row)
-            del translator, ct2_row  # the row's default argument holds it too
-            if args.int8 and args.device == "cpu":
-                int8_rows(rows, module, tok, srcs, beams, n, device, args, ours, bleu)
-    print_table(rows, [("row", "row"), ("threads", "threads"), ("beam", "beam"), ("sentences", "sentences"),
-                       ("sent_per_s", "sent/s"), ("same_text", "same text"), ("bleu", "BLEU"), ("status", "status")])
+                run_row(rows, {"row": r["row"], "threads": n or "-", "engine": engine, "sentences": len(srcs)}, row)
+    print_table(rows, [("row", "row"), ("threads", "threads"), ("sentences", "sentences"), ("sent_per_s", "sent/s"),
+                       ("sent_per_s_best", "best"), ("same_text", "same text"), ("bleu", "BLEU"),
+                       ("load_before", "load"), ("status", "status")])
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 
