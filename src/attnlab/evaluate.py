@@ -119,6 +119,12 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
     return batches
 
 
+# CTranslate2's batches on a CPU, in source tokens (padding counted). On the demo's 918 test sentences at 2 threads
+# (bench/RESULTS.md): 3,683 sentences/s greedy and 1,173 beam 4 in batches of 2,048 tokens, 3,160 and 1,129 of 4,096,
+# 2,867 and 1,138 of 8,192; on one thread 2,048 and 4,096 alike
+CPU_ENGINE_TOKENS = 2048
+
+
 @torch.no_grad()
 def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: int | None = None,
                     batch_sentences: int | None = None, max_tokens: int | None = None,
@@ -131,9 +137,10 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens
     (default: the module's decode config), and put back in order. On a CPU `workers` batches (default: torch's
     thread count) are decoded at once, each on one thread (`batch_workers`); the texts do not depend on it.
-    CTranslate2 takes batches of `max_tokens` tokens whatever their sentences. Empty lines give empty translations;
-    lines longer than the model's max_seq_len tokens are cut there, with a warning (a learned position table ends there;
-    other positions were never trained beyond it either, and the output budget a * length + b grows with it)."""
+    CTranslate2 takes batches of `max_tokens` tokens (on a CPU at most CPU_ENGINE_TOKENS) whatever their sentences.
+    Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
+    warning (a learned position table ends there; other positions were never trained beyond it either, and the
+    output budget a * length + b grows with it)."""
     cfg = module.model_cfg
     bs = batch_sentences or module.decode_cfg.batch_sentences
     max_tok = module.decode_cfg.max_tokens if max_tokens is None else max_tokens
@@ -157,7 +164,9 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
             raise ValueError("translate_lines with engine=ctranslate2 needs the checkpoint file (ckpt_path)")
         from .export_ct2 import ct2_translate  # the ctranslate2 extra
 
-        batches = [[todo[j] for j in b] for b in token_batches(lengths, max(len(todo), 1), max_tok)]  # tokens only
+        # batches by tokens alone; on a CPU at most CPU_ENGINE_TOKENS, so that its workers share them evenly
+        tokens = min(max_tok or CPU_ENGINE_TOKENS, CPU_ENGINE_TOKENS) if dev.type == "cpu" else max_tok
+        batches = [[todo[j] for j in b] for b in token_batches(lengths, max(len(todo), 1), tokens)]
         ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype,
                             cap=position_cap(cfg), workers=workers)
         for i, h in zip(todo, tokenizer.decode_batch([ids[i] for i in todo]), strict=True):
