@@ -83,8 +83,9 @@ def test_real_fit_two_point_grid(tmp_path, monkeypatch):
     stored = {t.user_attrs["variant"]: t.value for t in trials}
     assert all(float(r["final/valid_bleu mean"]) == pytest.approx(stored[r["variant"]]) for r in rows)
     rms = next(r for r in rows if r["variant"] == "norm=rmsnorm")
-    assert rms["test"] == rms["p_value"] == "" and "| PPL | steps | tokens |" in md  # one seed: no test, and why
-    assert "| none: 1 shared seed, a test needs 2 |" in md
+    # one seed: sacreBLEU's paired bootstrap of that seed, conditional on it, and the rows flagged
+    assert (rms["test"], rms["population"]) == ("paired bootstrap", "seed 1") and "| PPL | steps | tokens |" in md
+    assert "| 1 ‡ |" in md and "paired bootstrap of seed 1 alone" in md and "conditional on that seed" in md
     assert all(p.stat().st_size > 0 for p in plot(h))
 
     # a second run of the finished study trains nothing

@@ -30,8 +30,9 @@ from attnlab.ablate.spec import load_spec
 from attnlab.ablate.study import connect
 from attnlab.analysis.figures import plot
 from attnlab.analysis.hypotheses import read_lines
+from attnlab.analysis.ranks import rank_correlation
 from attnlab.analysis.report import write_table
-from attnlab.analysis.stats import holm, paired_bootstrap, rank_correlation
+from attnlab.analysis.testset import paired_bootstrap
 from attnlab.checkpoints import average_checkpoints
 from attnlab.cli import main
 from attnlab.config import ModelConfig
@@ -105,17 +106,24 @@ def test_final_scores_are_stored_with_each_trial_and_the_table_shows_p_and_ci(pr
     rows = {r["variant"]: r for r in csv.DictReader(open(tmp / "study" / "table.csv", encoding="utf-8"))}
     swiglu, relu = rows["ffn=swiglu"], rows["ffn=relu"]
     assert relu["baseline"] == "True" and relu["p_value"] == ""
-    p, low, high = float(swiglu["p_value"]), float(swiglu["delta_ci_low"]), float(swiglu["delta_ci_high"])
+    p, low, high = float(swiglu["p_adjusted"]), float(swiglu["delta_ci_low"]), float(swiglu["delta_ci_high"])
     assert p < 0.01 and 0 < low < float(swiglu["delta_vs_baseline"]) < high and swiglu["significant"] == "True"
     line = next(x for x in out.splitlines() if x.startswith("| ffn=swiglu |"))
     assert f"| {p:.3g}* (n=3) | [+{low:.2f}, +{high:.2f}] |" in line and "| 1 | 4 | 8 | 0 | 0.1 |" in line
-    assert "1 comparison(s) against the baseline" in out and "Welch's t-test over the seeds both rows have" in out
+    assert "1 comparison(s) against the baseline" in out and "final/valid_bleu ~ variant + seed" in out
+    assert "the test set's sampling" in out and "Minimum detectable Δ at 80% power: ±" in out
     assert line.endswith("| 10 | 10K |")  # steps, tokens trained (fake_fit's last train/tokens)
     assert float(swiglu["FLOPs/token"]) == step_cost(spec.experiment({"model.ffn": "swiglu"})).flops_per_token
 
 
-def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch_over_seed_bleu(proof, tmp_path):
+def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_the_paired_model(proof, tmp_path):
+    """Each seed's p-value in table.csv is what sacreBLEU's command line prints on the stored files; the headline,
+    with the test set held fixed (population: test_set), is scipy's paired t-test on each seed's corpus BLEU (2
+    rows: the block model is that test); with the test set a sample its interval is no narrower."""
     _, spec, h = proof
+    sample = {r["variant"]: r for r in csv.DictReader(open(write_table(h, tmp_path / "sample")[1][1],
+                                                           encoding="utf-8"))}
+    h.spec.significance["population"] = "test_set"
     table_csv = write_table(h, tmp_path / "table")[1][1]  # this test's own table: it runs alone too
     rows = {r["variant"]: r for r in csv.DictReader(open(table_csv, encoding="utf-8"))}
     per_seed = dict(x.split(":") for x in rows["ffn=swiglu"]["paired_bootstrap_p_per_seed"].split())
@@ -132,9 +140,15 @@ def test_per_seed_p_values_are_sacrebleus_command_line_and_the_headline_is_welch
         assert ci_per_seed[str(seed)] == f"[{low!r},{high!r}]"
     bleu = {v: [sacrebleu.corpus_bleu(files[v, s][0], [files[v, s][1]]).score for s in (1, 2, 3)]
             for v in ("ffn=relu", "ffn=swiglu")}
-    res = stats.ttest_ind(bleu["ffn=swiglu"], bleu["ffn=relu"], equal_var=False)
-    assert float(rows["ffn=swiglu"]["p_value"]) == pytest.approx(res.pvalue, rel=1e-9)
-    assert rows["ffn=swiglu"]["test"] == "Welch over seed scores"
+    h.spec.significance["population"] = "sample"
+    res = stats.ttest_rel(bleu["ffn=swiglu"], bleu["ffn=relu"])
+    swiglu = rows["ffn=swiglu"]
+    assert float(swiglu["p_adjusted"]) == pytest.approx(res.pvalue, rel=1e-9)
+    assert (swiglu["test"], swiglu["population"], sample["ffn=swiglu"]["population"]) == ("pooled", "test_set",
+                                                                                        "sample")
+    width = {k: float(r["ffn=swiglu"]["delta_ci_high"]) - float(r["ffn=swiglu"]["delta_ci_low"])
+             for k, r in (("sample", sample), ("fixed", rows))}
+    assert width["sample"] >= width["fixed"]  # the fake translations have no per-sentence strengths: about equal
 
 
 def test_a_finished_study_is_evaluated_afterwards_without_retraining(tmp_path, capsys):
@@ -170,11 +184,12 @@ def test_main_effects_and_the_interaction_equal_the_means_of_table_csv(tmp_path,
     run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit)
     assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / "study")]) == 0
     out = capsys.readouterr().out
-    assert "Welch's t-test over seeds" in out and "(Holm-corrected); 3 comparison(s) against the baseline" in out
+    assert "val/loss ~ variant + seed" in out and "* adjusted p < 0.05; 3 comparison(s) against the baseline" in out
+    assert "seed-to-seed variation on this test set only (val/loss has no per-sentence scores stored)" in out
     assert "Baseline:" not in out  # relu without qk_norm is the base recipe's own values
     tested = [r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8")) if r["p_value"]]
-    assert [float(r["p_holm"]) for r in tested] == pytest.approx(holm([float(r["p_value"]) for r in tested]))
-    assert all((r["significant"] == "True") == (float(r["p_holm"]) < 0.05) for r in tested)
+    assert all(float(r["p_adjusted"]) >= float(r["p_value"]) and r["adjust"] == "dunnett" for r in tested)
+    assert all((r["significant"] == "True") == (float(r["p_adjusted"]) < 0.05) for r in tested)
     assert main(["ablate", "effects", str(spec.path), "--dir", str(tmp_path / "study"), "--pair", "model.ffn",
                  "model.qk_norm"]) == 0
     out = capsys.readouterr().out
@@ -231,7 +246,8 @@ def test_compare_joins_shared_variants_and_gives_their_rank_correlation(tmp_path
     printed = re.search(r"Kendall's tau = (\S+), Spearman's rho = (\S+), n = 3: no p-value with 3 shared", out).groups()
     assert [float(x) for x in printed] == pytest.approx((tau.statistic, rho.statistic), abs=1e-3)
     assert printed[0] == "-1.000"
-    assert f"| ffn=swiglu | {means['a']['ffn=swiglu']:.3f} | 1 | {means['b']['ffn=swiglu']:.3f} | 3 |" in out
+    # one seed each: no seed variance, no Δ test (the table says the same)
+    assert f"| ffn=swiglu | {means['a']['ffn=swiglu']:.3f} |  | 1 | {means['b']['ffn=swiglu']:.3f} |  | 3 |" in out
 
 
 def test_a_flops_budget_gives_each_variant_the_steps_that_spend_it(tmp_path, capsys):
@@ -377,19 +393,19 @@ def test_a_study_where_every_row_scores_0_is_called_degenerate_and_gets_no_stars
                                                                                 encoding="utf-8")))
 def test_the_footnote_says_which_row_became_the_baseline_and_why(tmp_path, capsys):
     """No variant has the base recipe's ffn (relu): the first is the baseline and the footnote says so; a
-    `baseline:` key picks another row and the footnote is silent; `holm: false` turns the correction off."""
+    `baseline:` key picks another row and the footnote is silent; `correction: none` turns the adjustment off."""
     for body, baseline, note in (
             ("axes:\n  model.ffn: [gelu, swiglu]\n", "ffn=gelu", "Baseline: no variant has the base recipe's own "
              "values of model.ffn, so the first, ffn=gelu, is the baseline"),
-            ("baseline: ffn=swiglu\nsignificance: {holm: false}\naxes:\n  model.ffn: [gelu, swiglu]\n", "ffn=swiglu",
-             "")):
+            ("baseline: ffn=swiglu\nsignificance: {correction: none}\naxes:\n  model.ffn: [gelu, swiglu]\n",
+             "ffn=swiglu", "")):
         spec = load_spec(write_study(tmp_path, "seeds: [1, 2]\n" + body))
         run_study(spec, tmp_path / baseline, opts=FAST, fit=fake_fit)
         assert main(["ablate", "table", str(spec.path), "--dir", str(tmp_path / baseline)]) == 0
         out = capsys.readouterr().out
         line = next(x for x in out.splitlines() if x.startswith(f"| {baseline} |"))
         assert "| baseline |" in line and (note in out if note else "Baseline:" not in out), out
-        assert ("Holm-corrected" if note else "not corrected for multiple comparisons") in out
+        assert ("Dunnett's many-to-one" if note else "p (not corrected for multiple comparisons)") in out
 
 
 def test_a_translation_study_is_scored_by_final_test_bleu_and_rows_scored_another_way_are_refused(tmp_path, capsys):
@@ -414,7 +430,7 @@ def test_a_translation_study_is_scored_by_final_test_bleu_and_rows_scored_anothe
     assert main(["ablate", "table", str(path), "--dir", str(tmp_path / "study")]) == 0
     out = capsys.readouterr().out
     assert "| final/test_bleu ↑ | n | Δ vs baseline | p | 95% CI of Δ | chrF |" in out
-    assert re.search(r"\| ffn=swiglu \| [0-9.]+ ± [0-9.]+ \| 2 \| \+[0-9.]+ \| [0-9.e-]+\*? \(n=2\) \|", out), out
+    assert re.search(r"\| ffn=swiglu \| [0-9.]+ ± [0-9.]+ \| 2 ‡ \| \+[0-9.]+ \| [0-9.e-]+\*? \(n=2\) \|", out), out
     swiglu = next(t for t in h.study.get_trials() if t.user_attrs["variant"] == "ffn=swiglu")
     other = {**swiglu.user_attrs["final"]}
     other["bleu_signature"] = other["bleu_signature"].replace("tok:13a", "tok:intl")
@@ -451,3 +467,43 @@ def test_plot_of_a_study_without_the_metrics_curve_says_so_and_does_not_warn(tmp
     legend = curves.get_legend()
     assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in loss.get_lines()]
     assert legend.get_bbox_to_anchor().x0 > curves.transAxes.transform((1, 0))[0]  # anchored right of it
+
+
+def test_table_effects_and_compare_print_the_same_difference_interval_and_p(tmp_path, capsys):
+    """One study of 3 FFNs x 3 seeds scored by the final valid BLEU (hypotheses stored: the test set a sample):
+    for each variant against the baseline (ReLU), `ablate table` (table.csv), `ablate effects` (effects.csv, the
+    factor's values) and `ablate compare` (the study beside itself) give the same Δ, 95% interval and adjusted p,
+    from the one model of the study."""
+    body = ("seeds: [1, 2, 3]\nmetric: {name: final/valid_bleu, direction: max}\n"
+            "axes:\n  model.ffn: [relu, swiglu, gelu]\n")
+    spec = load_spec(write_study(tmp_path, body, base=tiny_mt(tmp_path), final_eval=True))
+    assert run_study(spec, tmp_path / "study", opts=FAST, fit=fake_fit) == {"done": 9}
+    common = ["--dir", str(tmp_path / "study")]
+    assert main(["ablate", "table", str(spec.path), *common]) == 0
+    assert main(["ablate", "effects", str(spec.path), *common]) == 0
+    assert main(["ablate", "compare", str(spec.path), str(spec.path), "--dirs", *common[1:] * 2]) == 0
+    out = capsys.readouterr().out
+    table = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "study" / "table.csv", encoding="utf-8"))}
+    effects = {r["level"]: r for r in csv.DictReader(open(tmp_path / "study" / "effects.csv", encoding="utf-8"))
+               if r["factor"] == "model.ffn"}
+    tested = [v for v in ("swiglu", "gelu") if table[f"ffn={v}"]["p_adjusted"]]
+    assert tested == ["swiglu", "gelu"] and table["ffn=relu"]["baseline"] == "True"
+    for v in tested:
+        t, e = table[f"ffn={v}"], effects[v]
+        got = [float(e[k]) for k in ("delta_vs_baseline", "delta_ci_low", "delta_ci_high", "p_adjusted")]
+        assert got == pytest.approx([float(t[k]) for k in ("delta_vs_baseline", "delta_ci_low", "delta_ci_high",
+                                                           "p_adjusted")], rel=1e-12)
+        d = 2  # BLEU: 2 decimals
+        printed = (f"{float(t['delta_vs_baseline']):+.{d}f} [{float(t['delta_ci_low']):+.{d}f}, "
+                   f"{float(t['delta_ci_high']):+.{d}f}] p {float(t['p_adjusted']):.3g}")
+        star = "*" if t["significant"] == "True" else ""
+        lines = out.splitlines()
+        table_line = next(x for x in lines if x.startswith(f"| ffn={v} |") and "(n=3)" in x)
+        delta, rest = printed.split(" [")
+        ci, p = rest.split("] p ")
+        assert f"| {delta} | {p}{star} (n=3) | [{ci}] |" in table_line
+        effects_line = next(x for x in lines if x.strip().startswith(f"{v} ") and "Δ" in x)
+        assert f"Δ {printed}{star}" in effects_line
+        compare_line = next(x for x in lines if x.startswith(f"| ffn={v} |") and " p " in x)
+        assert compare_line.count(printed + star) == 2, (printed, compare_line)  # both sides of the comparison
+    assert float(table["ffn=swiglu"]["p_adjusted"]) >= float(table["ffn=swiglu"]["p_value"])

@@ -3,6 +3,7 @@ except an invalid *combination*, which the runner records as an invalid trial.""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -236,15 +237,22 @@ def test_an_invalid_combination_is_not_a_load_error(tmp_path):
 
 def test_final_metrics_columns_and_significance(tmp_path):
     spec = spec_of(tmp_path, "metric: final/test_chrf\ncolumns: [params, {PPL: final/test_ppl}, metric, model.d_k]\n"
-                             "significance: {level: 0.01, holm: true}\nbudget: {flops: 1e15}\n"
+                             "significance: {level: 0.01, population: test_set}\nbudget: {flops: 1e15}\n"
                              "axes: {model.norm: [rmsnorm]}\n")
     assert (spec.metric, spec.direction, spec.final_eval, spec.budget_flops) == ("final/test_chrf", "max", True, 1e15)
     assert [(c.label, c.source, c.kind) for c in spec.columns] == [
         ("params", "params", "built_in"), ("PPL", "final/test_ppl", "metric"), ("", "metric", "built_in"),
         ("model.d_k", "model.d_k", "config")]
-    assert spec.significance == {"level": 0.01, "resamples": 1000, "seed": 12345, "holm": True}
+    assert spec.significance == {"level": 0.01, "resamples": 1000, "seed": 12345, "correction": "dunnett",
+                                 "population": "test_set"}
     plain = spec_of(tmp_path, "axes: {model.norm: [rmsnorm]}\n")  # the metric's block comes first by default
-    assert plain.significance["holm"] is True  # Holm's correction unless the file turns it off
+    assert plain.significance["correction"] == "dunnett"  # Dunnett's adjustment unless the file turns it off
+    assert plain.significance["population"] == "sample"  # the test set is a sample of sentences by default
+    for body, needle in (("{holm: false}", "significance.holm is now significance.correction"),
+                         ("{correction: holm}", "significance.correction='holm': expected one of dunnett, none"),
+                         ("{population: seeds}", "significance.population='seeds': expected one of sample, test_set")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            spec_of(tmp_path, f"significance: {body}\naxes: {{model.norm: [rmsnorm]}}\n")
     assert [c.source for c in plain.columns] == ["metric", "params", "tokens_per_s", "wall"] and plain.final_eval
 
 

@@ -21,20 +21,28 @@ from scipy import stats
 
 from attnlab.ablate.final import write_lines
 from attnlab.analysis.columns import SIGNIFICANCE
-from attnlab.analysis.hypotheses import read_lines
-from attnlab.analysis.report import Row, compare, metric_cells
-from attnlab.analysis.stats import (
-    bootstrap_rows,
-    corpus_score,
-    holm,
-    paired_bootstrap,
-    rank_intervals,
-    t_interval,
-    welch,
-)
+from attnlab.analysis.model import compare
+from attnlab.analysis.multiple import holm as multiple_holm
+from attnlab.analysis.ranks import rank_intervals
+from attnlab.analysis.report import Table, footnote, metric_cells
+from attnlab.analysis.rows import Row
+from attnlab.analysis.stats import t_interval
+from attnlab.analysis.testset import corpus_score, paired_bootstrap
 from conftest import make_pairs
 
 REFS = [de for _, de in make_pairs(150, seed=3)]
+
+
+def strengths(drop: float, variant: str, seed: str, sd: float = 0.15) -> list[str]:
+    """system() with per-sentence strengths of the variant that repeat on its every seed: sentence i's drop
+    probability is drop plus an offset of SD `sd` drawn once for the variant."""
+    offsets = random.Random(variant)
+    rng = random.Random(seed)
+    out = []
+    for r in REFS:
+        p = min(max(drop + offsets.gauss(0, sd), 0.0), 0.95)
+        out.append(" ".join(w for w in r.split() if rng.random() >= p))
+    return out
 
 
 def system(drop: float, seed: str, refs: list[str] = REFS) -> list[str]:
@@ -53,33 +61,46 @@ def sacrebleu_cli(ref: Path, base: Path, hyp: Path, resamples: int, seed: int) -
     return {"bleu": p[0], "chrf": p[1]}
 
 
-def test_per_seed_column_is_sacrebleus_command_line_and_headline_is_welch_over_seed_scores(tmp_path):
-    """Two rows of 2 seeds each as files: each seed's p-value equals what sacreBLEU's own command line prints on
-    those files; the headline p and CI are scipy's Welch test on each seed's `sacrebleu` corpus score; one
-    shared seed gives no headline test."""
-    files = {}
-    for name, drop in (("base", 0.3), ("row", 0.25)):
-        for seed in (1, 2, 3):
-            files[name, seed] = tmp_path / f"{name}{seed}.hyp"
-            write_lines(files[name, seed], system(drop, f"{name}{seed}"))
-    ref = tmp_path / "ref"
-    write_lines(ref, REFS)
-    texts = {name: {s: (read_lines(files[name, s]), read_lines(ref)) for s in (1, 2)} for name in ("base", "row")}
-    texts["row"][3] = (read_lines(files["row", 3]), read_lines(ref))  # a seed the baseline lacks: left out
-    ours = {m: bootstrap_rows(texts["base"], texts["row"], m, 300, 11) for m in ("bleu", "chrf")}
-    for s in (1, 2):
-        cli = sacrebleu_cli(ref, files["base", s], files["row", s], 300, 11)
-        assert {m: round(c.per_seed[s], 4) for m, c in ours.items()} == cli, s
-    for m, c in ours.items():
-        scores = [[sacrebleu.corpus_bleu(read_lines(files[name, s]), [REFS]).score if m == "bleu" else
-                   sacrebleu.corpus_chrf(read_lines(files[name, s]), [REFS]).score for s in (1, 2)]
-                  for name in ("base", "row")]
-        res = stats.ttest_ind(scores[1], scores[0], equal_var=False)
-        ci = res.confidence_interval(0.95)
-        assert (c.p_value, c.ci_low, c.ci_high) == pytest.approx((res.pvalue, ci.low, ci.high), rel=1e-9)
-        assert c.seeds == (1, 2) and c.method == "Welch over seed scores" and set(c.per_seed) == {1, 2}
-    one = {1: texts["row"][1]}
-    assert bootstrap_rows(texts["base"], one, "bleu", 100, 11) is None
+def test_per_seed_column_is_sacrebleus_command_line_and_the_headline_is_the_paired_model(tmp_path):
+    """Two rows of 3 seeds as stored files, each variant with per-sentence strengths that repeat on its seeds: each
+    seed's p-value equals what sacreBLEU's own command line prints on those files. The headline with the test set
+    held fixed (population: test_set) is scipy's paired t-test on each seed's `sacrebleu` corpus score, the seed a
+    block (also when the row ran a fourth seed the baseline lacks); with the test set a sample it adds the
+    covariance of resampled sentences between different seeds, recomputed here by scoring each resample's texts
+    with `sacrebleu.corpus_bleu` (sacreBLEU's indices), on the seeds' 2 degrees of freedom, and the interval
+    widens."""
+    hyps = {name: {s: strengths(drop, name, f"{name}{s}") for s in (1, 2, 3)}
+            for name, drop in (("base", 0.3), ("row", 0.25))}
+    fixed = compared(bleu_rows(tmp_path / "b", hyps), "final/test_bleu", population="test_set", resamples=40)[1]
+    sample = compared(bleu_rows(tmp_path / "b", hyps), "final/test_bleu", resamples=40)[1]
+    hyps["row"][4] = strengths(0.25, "row", "row4")  # a seed the baseline lacks: in the model, in no pair
+    fixed4 = compared(bleu_rows(tmp_path / "a", hyps), "final/test_bleu", population="test_set", resamples=40)[1]
+    for s in (1, 2, 3):
+        base, row = (tmp_path / "a" / f"{name}{s}" / "test.hyp" for name in ("base", "row"))
+        cli = sacrebleu_cli(tmp_path / "a" / "base1" / "test.ref", base, row, 40, SIGNIFICANCE["seed"])
+        assert round(fixed4.comparison.per_seed[s], 4) == cli["bleu"], s
+    assert set(fixed4.comparison.per_seed) == {1, 2, 3}  # seed 4: the baseline has none
+    y = np.array([[sacrebleu.corpus_bleu(hyps[name][s], [REFS]).score for s in (1, 2, 3)] for name in ("base", "row")])
+    res = stats.ttest_rel(y[1], y[0])  # seed 4 is the row's alone: a block of one cell adds nothing
+    ci = res.confidence_interval()
+    for c in (fixed.comparison, fixed4.comparison):
+        assert (c.p_adjusted, c.ci_low, c.ci_high) == pytest.approx((res.pvalue, ci.low, ci.high), rel=1e-9)
+    assert c.method == "pooled" and c.p_value == pytest.approx(c.p_adjusted, rel=1e-9)
+    idx = np.random.default_rng(SIGNIFICANCE["seed"]).choice(len(REFS), (40, len(REFS)))  # sacreBLEU's draw
+    star = np.array([[[sacrebleu.corpus_bleu([hyps[name][s][j] for j in i], [[REFS[j] for j in i]]).score
+                       for s in (1, 2, 3)] for name in ("base", "row")] for i in idx])  # (40, 2, 3)
+    cov = lambda a, b: np.cov(a, b)[0, 1]  # noqa: E731
+    g = [[np.mean([cov(star[:, r, j], star[:, q, jj]) for j in range(3) for jj in range(3) if j != jj])
+          for q in range(2)] for r in range(2)]
+    test_part = max(g[0][0] + g[1][1] - 2 * g[0][1], 0.0)
+    d = y[1] - y[0]
+    seed_part = d.var(ddof=1) / 3
+    se = math.sqrt(seed_part + test_part)
+    # sacreBLEU scores a resample from float32 sums, corpus_bleu from ints: they agree to about 1e-7
+    assert test_part > 0 and sample.comparison.se == pytest.approx(se, rel=1e-6)
+    # on the 2 degrees of freedom of the seeds' part (conservative: the test set's part is nearly known)
+    assert sample.comparison.p_adjusted == pytest.approx(2 * stats.t.sf(abs(d.mean()) / se, 2), rel=1e-5)
+    assert sample.comparison.ci_high - sample.comparison.ci_low > c.ci_high - c.ci_low
 
 
 def test_a_large_effect_is_found_with_a_ci_around_it():
@@ -131,125 +152,12 @@ def test_per_seed_interval_is_the_percentile_interval_of_the_resampled_differenc
     assert mean - low != pytest.approx(high - mean, rel=1e-3)  # skewed: not a symmetric interval
 
 
-def test_welch_finds_a_large_effect_and_its_null_p_values_are_uniform():
-    rng = np.random.default_rng(0)
-    base, shifted = rng.normal(30.0, 0.3, 3), rng.normal(31.5, 0.3, 3)
-    p, low, high = welch(list(base), list(shifted))
-    assert p < 0.01 and 0 < low < 1.5 < high
-    # the CI by hand: Welch-Satterthwaite degrees of freedom and the t quantile
-    va, vb = base.var(ddof=1) / 3, shifted.var(ddof=1) / 3
-    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
-    assert (low, high) == pytest.approx((shifted.mean() - base.mean() - half, shifted.mean() - base.mean() + half))
-    null = [welch(list(rng.normal(0, 1, 3)), list(rng.normal(0, 1, 3)))[0] for _ in range(400)]
-    assert stats.kstest(null, "uniform").pvalue > 0.01  # spread evenly over [0, 1]
-    assert all(math.isnan(x) for x in welch([1.0], [2.0, 3.0]))  # one seed: no test
-
-
-def test_t_interval_and_holm_against_their_formulas():
+def test_t_interval_against_its_formula():
     values = [2.0, 2.4, 2.9]
     low, high = t_interval(values)
     half = stats.t.ppf(0.975, 2) * np.std(values, ddof=1) / math.sqrt(3)
     assert (low, high) == pytest.approx((np.mean(values) - half, np.mean(values) + half))
     assert all(math.isnan(x) for x in t_interval([1.0]))
-    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> monotone: 0.06 for the last
-    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    assert holm([0.5, 0.9]) == [1.0, 1.0]
-    # a p-value that is not finite (no test) stays out of the family: m = 2 finite ones, it stays NaN
-    for ps, want in (([math.nan, 0.001, 0.002], [math.nan, 0.002, 0.002]),
-                     ([0.001, math.nan, 0.002], [0.002, math.nan, 0.002]),
-                     ([0.01, math.inf, 0.04, math.nan], [0.02, math.nan, 0.04, math.nan]),
-                     ([math.nan], [math.nan]), ([], [])):
-        assert holm(ps) == pytest.approx(want, nan_ok=True), ps
-
-
-def null_study(rng: np.random.Generator, repeats: int, seeds: int, seed_sd: float, effect: float = 0.0,
-               sentences: int = 300, sentence_sd: float = 10.0) -> np.ndarray:
-    """Per-sentence scores (repeats, 2 rows, seeds, sentences): a sentence difficulty shared by every system, a
-    seed effect of SD `seed_sd` per (row, seed), and noise of SD `sentence_sd` per sentence; the second row is
-    better by `effect`. A row's corpus score for a seed is the mean over its sentences."""
-    difficulty = rng.normal(30.0, 8.0, (repeats, 1, 1, sentences))
-    seed_effect = rng.normal(0.0, seed_sd, (repeats, 2, seeds, 1)) if seed_sd else np.zeros((repeats, 2, seeds, 1))
-    noise = rng.normal(0.0, sentence_sd, (repeats, 2, seeds, sentences))
-    return difficulty + seed_effect + noise + np.array([0.0, effect])[None, :, None, None]
-
-
-def pooled_bootstrap_p(x: np.ndarray, rng: np.random.Generator, resamples: int = 200) -> np.ndarray:
-    """The former headline test, vectorised: the seeds' sentences concatenated and resampled as one corpus, the
-    same indices for both rows, sacreBLEU's p-value formula (resampled |d - mean d| >= observed |d|)."""
-    repeats, _, seeds, n = x.shape
-    d = (x[:, 1] - x[:, 0]).reshape(repeats, seeds * n)  # (repeats, seeds * sentences)
-    w = rng.multinomial(seeds * n, np.full(seeds * n, 1 / (seeds * n)), size=resamples)  # (resamples, positions)
-    diffs = w @ d.T / (seeds * n)  # (resamples, repeats)
-    observed = d.mean(1)  # (repeats,)
-    extreme = (np.abs(diffs - diffs.mean(0)) >= np.abs(observed)).sum(0)  # (repeats,)
-    return (extreme + 1) / (resamples + 1)
-
-
-def seed_welch_p(x: np.ndarray, effect: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """The table's headline test (Welch over each seed's corpus score) on each repeat: p-values and whether its
-    95% CI covers the true effect."""
-    corpus = x.mean(-1)  # (repeats, 2, seeds)
-    p, covered = [], []
-    for study in corpus:
-        pi, low, high = welch(list(study[0]), list(study[1]))
-        p.append(pi)
-        covered.append(low <= effect <= high)
-    return np.array(p), np.array(covered)
-
-
-@pytest.mark.parametrize("seeds", [3, 5])
-@pytest.mark.parametrize("seed_sd", [0.0, 1.3, 3.0])
-def test_seed_level_test_holds_its_size_where_the_pooled_bootstrap_does_not(seeds, seed_sd):
-    """400 null studies per setting (both rows from one distribution; 300 sentences, sentence SD 10 points, so
-    each seed's corpus score has 0.58 points of sentence noise). The headline test rejects at most 7% at
-    α = 0.05 and its 95% CI covers 0 in at least 93%; the old pooled bootstrap rejects far more once seeds
-    vary (measured: README's table)."""
-    rng = np.random.default_rng(seeds * 10 + int(seed_sd * 10))
-    x = null_study(rng, 400, seeds, seed_sd)
-    p, covered = seed_welch_p(x)
-    assert (p < 0.05).mean() <= 0.07 and covered.mean() >= 0.93
-    if seed_sd >= 1.3:
-        assert (pooled_bootstrap_p(x, rng) < 0.05).mean() > 0.15
-
-
-def two_level_percentile_covers(x: np.ndarray, rng: np.random.Generator, effect: float = 0.0,
-                                resamples: int = 500) -> np.ndarray:
-    """The two-level bootstrap considered for the headline interval: per study, resample the shared seeds (both
-    rows' trials of a seed kept together), then the sentences, with the same indices for every seed; whether the
-    percentile interval of the mean difference covers the true effect."""
-    covered = []
-    for study in x:  # (2, seeds, sentences)
-        d = study[1] - study[0]  # (seeds, sentences)
-        seeds, n = d.shape
-        by_seed = d[rng.integers(0, seeds, (resamples, seeds))]  # (resamples, seeds, sentences)
-        rows = rng.integers(0, n, (resamples, 1, n)).repeat(seeds, 1)  # (resamples, seeds, sentences)
-        low, high = np.quantile(np.take_along_axis(by_seed, rows, 2).mean((1, 2)), [0.025, 0.975])
-        covered.append(low <= effect <= high)
-    return np.array(covered)
-
-
-def test_the_two_level_percentile_bootstrap_undercovers_with_few_seeds_so_the_headline_is_welch():
-    """Why the headline interval is Welch's t interval and not a percentile interval of a seeds-then-sentences
-    bootstrap: with 3 seeds per row and a seed SD of 3 points the percentile interval covers the true Δ in about
-    79% of null studies (measured over 1,000: the README's table), Welch's in ≥ 93%. The bootstrap's spread of 3
-    resampled seeds is (n - 1) / n of the true one and lumpy, and nothing widens it by the t quantile."""
-    rng = np.random.default_rng(3)
-    x = null_study(rng, 200, 3, 3.0)
-    assert two_level_percentile_covers(x, rng).mean() < 0.85
-    assert seed_welch_p(x)[1].mean() >= 0.93
-
-
-def test_seed_level_test_power_at_1_5_bleu_with_5_seeds():
-    """+1.5 points at seed SD 1.3 with 5 seeds: a row's mean over 5 seeds has SD 0.63 (seed effect plus 0.58 of
-    sentence noise per seed), the difference of two such means 0.90, so even a z-test that knew the true SD
-    would find it in 38% of studies; Welch's test on 5 + 5 seeds finds it in 27% (measured over 1,000 studies;
-    the README's table). Without seed noise it is found in 95%."""
-    rng = np.random.default_rng(7)
-    p, covered = seed_welch_p(null_study(rng, 400, 5, 1.3, effect=1.5), effect=1.5)
-    assert 0.18 <= (p < 0.05).mean() <= 0.4 and covered.mean() >= 0.93
-    p, _ = seed_welch_p(null_study(rng, 400, 5, 0.0, effect=1.5), effect=1.5)
-    assert (p < 0.05).mean() >= 0.9
 
 
 def test_rank_intervals_resample_each_studys_seeds():
@@ -318,35 +226,56 @@ def bleu_rows(tmp: Path, hyps: dict[str, dict[int, list[str]]]) -> list[Row]:
     return rows
 
 
-def compared(rows: list[Row], metric: str) -> list[Row]:
-    h = SimpleNamespace(spec=SimpleNamespace(metric=metric, significance=dict(SIGNIFICANCE, resamples=50)),
+def compared(rows: list[Row], metric: str, **significance) -> list[Row]:
+    """The rows compared with the first in the study's model (model.compare, what `ablate table` does)."""
+    h = SimpleNamespace(spec=SimpleNamespace(metric=metric, significance={**SIGNIFICANCE, "resamples": 50,
+                                                                          **significance}),
                         study=SimpleNamespace(user_attrs={}))
     compare(h, rows, rows[0])
     return rows
 
 
-def test_a_row_with_no_variance_leaves_the_holm_family_and_says_why(tmp_path):
-    """A baseline at BLEU 0 on every seed, a dead row also at 0 (the same constant: Welch's p is NaN) and a good row
-    far better. The dead row gets no test, its p cell says why, and the good row keeps its star: before, the NaN p
-    made Holm's adjusted p of every row 1. The Welch path without hypotheses says the same."""
+def test_a_row_with_no_variance_leaves_the_family_and_says_why(tmp_path):
+    """A baseline at BLEU 0 on every seed, a dead row also at 0 and a good row far better: Bartlett's test sees
+    rows that do not vary beside one that does, so each row keeps its own variance (Welch). The dead row gets no
+    test and its p cell says why; the good row keeps its star, in a family of 1. Rows that are all constant, without
+    hypotheses: no test (scipy's Welch would say p = 0 for two constants 0.001 apart)."""
     empty = [""] * len(REFS)
     seeds = (1, 2, 3)
     rows = compared(bleu_rows(tmp_path, {"base": {s: empty for s in seeds}, "dead": {s: empty for s in seeds},
                                          "good": {s: system(0.1 + 0.02 * s, f"g{s}") for s in seeds}}),
                     "final/test_bleu")
     base, dead, good = rows
-    assert dead.comparison is None and good.comparison.method == "Welch over seed scores"
-    assert good.comparison.p_holm == good.comparison.p_value < 0.01 and good.significant  # a family of 1
+    assert dead.comparison is None and good.comparison.method == "welch"
+    assert good.comparison.p_adjusted == good.comparison.p_value < 0.01 and good.significant  # a family of 1
     assert metric_cells(dead, True, 2)[3] == "none: no variance in either row"
-    texts = {s: (empty, REFS) for s in seeds}
-    assert bootstrap_rows(texts, texts, "bleu", 20, 1) is None
     flat = [Row(k, k, [SimpleNamespace(user_attrs={"seed": s}) for s in v], list(v.values()), baseline=k == "base")
             for k, v in (("base", dict.fromkeys(seeds, 2.0)), ("same", dict.fromkeys(seeds, 2.0)),
                          ("apart", dict.fromkeys(seeds, 2.001)), ("one", {1: 2.5}))]
     _, same, apart, one = compared(flat, "val/loss")
-    assert same.comparison is None and metric_cells(same, True, 3)[3] == "none: no variance in either row"
-    # constant rows 0.001 apart: scipy's Welch gives p = 0 (t = inf), a star no seed noise supports; no test here
     assert stats.ttest_ind([2.001] * 3, [2.0] * 3, equal_var=False).pvalue == 0.0
-    assert apart.comparison is None and not apart.significant
-    assert metric_cells(apart, True, 3)[3] == "none: no variance in either row"
-    assert metric_cells(one, True, 3)[3] == "none: 1 shared seed, a test needs 2"
+    for r in (same, apart, one):
+        assert r.comparison is None and not r.significant
+        assert metric_cells(r, True, 3)[3] == "none: no variance: the model fits every seed"
+
+
+def test_a_one_seed_study_keeps_sacrebleus_paired_bootstrap_conditional_on_its_seed(tmp_path):
+    """One seed: no seed variance, so each row's p and interval are sacreBLEU's paired bootstrap of that seed (the
+    p its command line prints), Holm-adjusted over the rows, and the footnote says the inference is conditional on
+    seed 7; the rows are flagged (fewer than 3 seeds)."""
+    rows = compared(bleu_rows(tmp_path, {"base": {7: system(0.3, "b")}, "close": {7: system(0.29, "c")},
+                                         "far": {7: system(0.1, "f")}}), "final/test_bleu")
+    base, close, far = rows
+    cli = {r.key: sacrebleu_cli(tmp_path / "base7" / "test.ref", tmp_path / "base7" / "test.hyp",
+                                tmp_path / f"{r.key}7" / "test.hyp", 50, SIGNIFICANCE["seed"])["bleu"]
+           for r in (close, far)}
+    assert {r.key: round(r.comparison.p_value, 4) for r in (close, far)} == cli
+    want = multiple_holm([close.comparison.p_value, far.comparison.p_value])
+    assert [close.comparison.p_adjusted, far.comparison.p_adjusted] == pytest.approx(want)
+    assert far.significant and far.comparison.method == "paired bootstrap" and far.comparison.ci_low > 0
+    h = SimpleNamespace(spec=SimpleNamespace(metric="final/test_bleu", significance={**SIGNIFICANCE, "resamples": 50},
+                                             baseline_reason=lambda: ""))
+    model = compare(SimpleNamespace(spec=h.spec, study=SimpleNamespace(user_attrs={})), rows, base)
+    note = footnote(h, Table(rows, [], model))
+    assert "paired bootstrap of seed 7 alone" in note and "conditional on that seed" in note
+    assert "‡ fewer than 3 seeds" in note and metric_cells(far, True, 2)[1] == "1 ‡"

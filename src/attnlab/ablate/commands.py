@@ -1,5 +1,5 @@
 """The `attnlab ablate` subcommands (added to the attnlab CLI): run, worker, submit, move, status, evaluate, table,
-plot, effects, compare."""
+plot, effects, scaling, compare, power."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ..analysis.effects import compare_studies, effects_report
+from ..analysis.effects import effects_report
 from ..analysis.figures import plot
+from ..analysis.power import power_table
 from ..analysis.report import write_table
 from ..analysis.scaling_report import collect_curves, scaling_report, size_transfer
+from ..analysis.transfer import compare_studies
 from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit, stop_status, worker_signals
 from ..launch.slurm import add_slurm_args, slurm_status
@@ -45,7 +47,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `ablate` subcommands to an argparse subparsers object (attnlab's CLI)."""
     ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, evaluate, table, "
-                                              "plot, effects, scaling, compare")
+                                              "plot, effects, scaling, compare, power")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -98,6 +100,11 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
         if name == "effects":
             p.add_argument("--pair", nargs=2, default=None, metavar=("A", "B"),
                            help="the two factors of the interaction (default: the first two)")
+    power = sub.add_parser("power", help="simulate null and effect studies through the table's test: its size and "
+                                         "power (the README's table)")
+    power.add_argument("--studies", type=int, default=10_000, help="simulated studies per setting")
+    power.add_argument("--out", default="docs/significance_power.md",
+                       help="the markdown table (and the raw numbers as .json beside it)")
     compare = sub.add_parser("compare", help="the variants two studies share, side by side, and the rank "
                                              "correlation of their scores (Kendall's tau, Spearman's rho)")
     compare.add_argument("study_a", help="an ablation file or study directory")
@@ -161,6 +168,11 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         h = move_study(open_study(args.study, None, args.dir), args.to)
         print(f"{h.spec.name}: {len(h.study.get_trials(deepcopy=False))} trial(s) copied to {h.url}, now recorded "
               f"in {h.dir / 'study.yaml'}")
+        return 0
+    if sub == "power":
+        command = f"attnlab ablate power --studies {args.studies}"
+        print(power_table(args.studies, Path(args.out), command))
+        print(f"\nwritten: {args.out}, {Path(args.out).with_suffix('.json')}")
         return 0
     if sub == "compare":
         dirs = list(args.dirs or []) + [None, None]

@@ -13,7 +13,8 @@ search), seeds, the metric and its direction, the budget and resources of one tr
                                               # {flops: 1.0e15}: each variant the steps that spend that (budget.py)
     final_eval: true                          # evaluate each trial as its recipe says (final.py); the default
     columns: [metric, params, flops, steps, {PPL: final/valid_ppl}, {d_k: model.d_k}]   # of the table
-    significance: {level: 0.05, resamples: 1000, seed: 12345, holm: true}    # against the baseline row
+    significance: {level: 0.05, resamples: 1000, seed: 12345, correction: dunnett, population: sample}
+                                              # against the baseline row (attnlab.analysis.columns)
     baseline: ffn=relu                        # the baseline row (a variant's name); default: the base recipe's
     resources: {devices: 1}                   # per trial; devices also sets trainer.devices
     retries: 2                                # a failing point is tried 1 + retries times

@@ -3,10 +3,17 @@ only from what its trials stored. The running half (ablate/: spec, runner, worke
 a study; this package reads it through ablate.study and ablate.spec and never imports the runner.
 
     columns.py         what an ablation file says about its results: metric, columns, significance settings
-    hypotheses.py      a trial's stored hypotheses and references
-    report.py          the table (markdown, CSV, LaTeX)
-    stats.py           sacreBLEU's paired bootstrap, Welch's t-test, Holm, rank correlations
-    effects.py         main effects, interactions, transfer between studies (`ablate effects`, `ablate compare`)
+    rows.py            a study's rows (one per variant, its trials and values); hypotheses.py: stored texts
+    inference.py       the one inference model: metric ~ variant + seed pooled over the study's rows, Welch's
+                       fallback, contrasts and families (vectorised over studies)
+    multiple.py        Dunnett (many-to-one), Tukey (all pairs), Holm, the minimum detectable difference
+    testset.py         the test set as a sample: sacreBLEU statistics of resampled sentences, their covariance
+    model.py           a study's rows in that model: what table, effects and compare all test with
+    report.py          the table (markdown, CSV, LaTeX) and its footnote
+    effects.py         main effects and interactions (`ablate effects`); transfer.py: `ablate compare`
+    ranks.py           Kendall's tau and Spearman's rho with permutation p-values and seed-resampled intervals
+    power.py           size and power of the table's test by simulation (`ablate power`)
+    stats.py           Welch's t-test (the former table's) and a mean's t interval
     figures.py         curves.png, metric.png
     scaling.py         power-law fits of loss against compute; scaling_report.py: `ablate scaling`
 """

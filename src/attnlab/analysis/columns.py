@@ -16,7 +16,11 @@ FINAL_METRIC = re.compile(r"^final/(valid|test)_(loss|ppl|bleu|chrf)$")  # what 
 BUILT_IN_COLUMNS = {"metric": "", "params": "params", "flops": "FLOPs/token", "train_flops": "train FLOPs",
                     "steps": "steps", "tokens": "tokens", "tokens_per_s": "tokens/s", "wall": "wall"}
 DEFAULT_COLUMNS = ("metric", "params", "tokens_per_s", "wall")
-SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "holm": True}  # Holm 1979 unless holm: false
+# correction: dunnett (Dunnett 1955 over the rows against the baseline; Holm 1979 where Welch's fallback or a
+# 1-seed study's bootstrap is used) or none; population: sample (seeds and the test set's sentences) or test_set
+# (seeds only, conditional on this test set)
+SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "correction": "dunnett", "population": "sample"}
+CHOICES = {"correction": ("dunnett", "none"), "population": ("sample", "test_set")}
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,11 @@ def parse_columns(items: Any, final_eval: bool, src: str, task: str | None = Non
 
 
 def parse_significance(raw: Any, src: str) -> dict[str, Any]:
-    """`significance: {level, resamples, seed, holm}` over the defaults in SIGNIFICANCE."""
+    """`significance: {level, resamples, seed, correction, population}` over the defaults in SIGNIFICANCE."""
     raw = raw or {}
+    need(not isinstance(raw, dict) or "holm" not in raw,
+         f"{src}: significance.holm is now significance.correction: dunnett (the default: Dunnett's many-to-one "
+         "adjustment, Holm's where Welch's fallback is used) or none")
     bad = [k for k in raw if k not in SIGNIFICANCE] if isinstance(raw, dict) else ["(not a mapping)"]
     need(not bad, f"{src}: significance: unknown key(s) {bad}; expected some of {', '.join(SIGNIFICANCE)}")
     out = {**SIGNIFICANCE, **raw}
@@ -107,7 +114,8 @@ def parse_significance(raw: Any, src: str) -> dict[str, Any]:
     for k in ("resamples", "seed"):  # sacreBLEU takes seed 0 for "no seed": a reproducible test needs >= 1
         need(isinstance(out[k], int) and not isinstance(out[k], bool) and out[k] >= 1,
              f"{src}: significance.{k}={out[k]!r} must be an int >= 1")
-    need(isinstance(out["holm"], bool), f"{src}: significance.holm must be true or false")
+    for k, allowed in CHOICES.items():
+        need(out[k] in allowed, f"{src}: significance.{k}={out[k]!r}: expected one of {', '.join(allowed)}")
     return {**out, "level": float(level)}
 
 

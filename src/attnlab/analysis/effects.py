@@ -1,26 +1,21 @@
-"""Which factor matters, and do conclusions transfer? `attnlab ablate effects` and `attnlab ablate compare`.
+"""Which factor matters? `attnlab ablate effects`: main effects of a grid and a two-way interaction, from the study's
+one inference model (model.py), the one the table tests with.
 
-Main effects of a grid: for each factor (an axis, or `variant` for a variants: list), the metric at each of its
-values averaged over every other factor and the seeds, with a 95% CI, and each value's difference to the first.
-They come from a linear model fitted by least squares to every finished (variant, seed) trial: the metric on
-each factor and the seed, a fixed effect (stats.fit_linear), whose estimated marginal means (Searle, Speed &
-Milliken 1980) average the model's prediction over the whole grid and the seeds. With every cell finished this is
-the plain mean of the table's rows at that value. A trial that failed leaves a hole the model fills from the
-others, so a factor's effect is not biased by which seeds are missing (averaging the seeds that finished would
-be), and the missing (variant, seed) cells are listed. A two-way interaction adds the pair's interaction to the
-model: each cell's mean and its interaction term, cell - its row's mean - its column's mean + the grand mean
-(0 everywhere when the two add up), each with its 95% CI; a cell with no finished trial cannot be estimated.
-Intervals are t intervals on the model's residual degrees of freedom, conditional on the seeds run.
+Each variant is a cell of the grid, and its mean is the model's row mean (metric ~ variant + seed: a seed that
+failed in one cell does not bias it, and the cells may interact however they do). A factor's marginal mean at a
+value is the average of the cells with that value over every other factor's values, the estimated marginal mean
+of the cell-means model (Searle, Speed & Milliken 1980, "Population marginal means in the linear model"); with
+every cell finished it is the plain mean of the table's rows at that value. Its difference to the baseline's
+value is a contrast of those cells tested on the model's variance (pooled over every variant, with the test
+set's sampling when the file says so), Dunnett-adjusted over the factor's values: for a study of one factor these
+are the table's Δ, interval and p. A factor of 3 or more values also gets every pair of values, Tukey-adjusted.
 
-Transfer between studies (Narang et al. 2021, "Do Transformer Modifications Transfer Across Implementations and
-Applications?"): the variants present in both studies are joined on the config fields both of them vary (each
-study's other factors averaged over; on the variant names when they share none), printed side by side, and the
-rank correlation of their scores, Kendall's tau and Spearman's rho, with exact permutation p-values up to 9
-variants, Monte Carlo permutation ones above, and none under 5 or when one study ties every variant
-(`stats.rank_correlation`), and 95% percentile intervals from resampling each study's
-seeds (`stats.rank_intervals`). Each study's
-scores are oriented so that higher is better before ranking (BLEU against loss correlates positively when the
-same variants win).
+A marginal mean that averages over a cell with no finished trial is not estimated, and the cell is named: an
+additive model (factors + seed) would fill the cell by assuming the factors do not interact, and where they do
+that biases the effect (a true +1 read as 0.60 or 1.40 with one cell missing; tests/test_ablate_effects.py).
+A two-way interaction (`--pair A B`) gives each cell of A x B (averaged over the other factors) its mean, its
+difference to the baseline's cell (Dunnett over the cells: the table's numbers when A and B are the only
+factors), and its interaction term, cell - row mean - column mean + grand mean, with a 95% interval.
 """
 
 from __future__ import annotations
@@ -33,10 +28,11 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..ablate.factors import fmt
 from ..ablate.study import StudyHandle
-from .report import Row, collect_rows, digits
-from .stats import correlation_text, fit_linear, rank_correlation, rank_intervals
+from . import inference
+from .model import StudyModel, fitted, study_model
+from .report import digits
+from .rows import collect_rows
 
 Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "variant": "(A) h=1"}
 
@@ -44,117 +40,163 @@ Levels = dict[str, str]  # factor -> value, e.g. {"model.norm": "rmsnorm", "vari
 @dataclass
 class Effect:
     levels: tuple[str, ...]  # the value of each factor asked for
-    mean: float  # NaN when the model cannot estimate it
+    mean: float  # NaN when not estimated
     low: float
     high: float
     n_seeds: int  # seeds with a finished trial at these values
-    vs_first: tuple[float, float, float] | None = None  # difference to the factor's first value, 95% CI
+    vs_base: tuple[float, float, float, float] | None = None  # Δ to the baseline's value, its interval, adjusted p
     interaction: tuple[float, float, float] | None = None  # two-way cells only: the term and its 95% CI
-    why: str = ""  # why the mean is not estimable (NaN)
+    why: str = ""  # why the mean is not estimated (NaN)
 
 
-def level_table(h: StudyHandle, rows: list[Row]) -> list[tuple[Levels, dict[int, float]]]:
-    """Each finished variant's factor values and its metric per seed, in the file's order of variants."""
-    by_key = {r.key: r for r in rows}
-    out = []
-    for v in h.spec.variants():
-        if v.key in by_key:
-            r = by_key[v.key]
-            out.append((levels_of(v.levels), dict(zip(r.seeds, r.values, strict=True))))
-    return out
+@dataclass
+class Grid:
+    """A study's grid in its model: each variant's factor values and its row in the model."""
+
+    names: list[str]  # the factors
+    cells: list[Levels]  # every variant's values, in the file's order
+    rows: list[int | None]  # each cell's row in the model (None: no finished trial, or refused)
+    seeds: list[set[int]]  # the seeds that finished in each cell
+    reference: Levels  # the baseline's values (the first cell's when there is no baseline)
+    model: StudyModel
+
+    def values(self, f: str) -> list[str]:
+        return list(dict.fromkeys(c[f] for c in self.cells))
+
+    def matching(self, where: Levels) -> list[int]:
+        return [i for i, c in enumerate(self.cells) if all(c[k] == v for k, v in where.items())]
+
+    def average(self, where: Levels) -> tuple[np.ndarray | None, str]:
+        """The contrast (k,) of the model's rows that averages the cells at `where`, or None and why."""
+        idx = self.matching(where)
+        holes = [i for i in idx if self.rows[i] is None]
+        if holes:
+            named = "; ".join(", ".join(f"{k}={v}" for k, v in self.cells[i].items()) for i in holes)
+            return None, (f"it averages over {named}, with no finished trial (an additive fill-in would assume "
+                          "the factors do not interact)")
+        c = np.zeros(self.model.k)
+        for i in idx:
+            c[self.rows[i]] += 1 / len(idx)
+        return c, ""
+
+    def n_seeds(self, where: Levels) -> int:
+        return len(set().union(*(self.seeds[i] for i in self.matching(where))))
 
 
 def levels_of(levels: tuple[str, ...]) -> Levels:
     return dict(level.split("=", 1) for level in levels)
 
 
-def factors(table: list[tuple[Levels, dict[int, float]]]) -> list[str]:
-    return list(table[0][0]) if table else []
+def study_grid(h: StudyHandle) -> Grid:
+    """The study's grid with its model (every finished variant; the baseline's values the reference)."""
+    rows, _ = collect_rows(h)
+    if not rows:
+        raise ValueError(f"{h.spec.name}: no finished trials yet")
+    base = next((r for r in rows if r.baseline), None)
+    model = study_model(h, rows, base or rows[0])
+    variants = h.spec.variants()
+    by_key = {r.key: r for r in rows}
+    cells = [levels_of(v.levels) for v in variants]
+    in_model = [v.key if v.key in model.keys else None for v in variants]
+    reference = next((c for c, v in zip(cells, variants, strict=True) if base and v.key == base.key), cells[0])
+    return Grid(list(cells[0]), cells, [model.keys.index(k) if k else None for k in in_model],
+                [set(by_key[v.key].seeds) if v.key in by_key else set() for v in variants], reference, model)
 
 
-def missing_cells(h: StudyHandle, table: list[tuple[Levels, dict[int, float]]]) -> list[str]:
-    """The (variant, seed) cells of the grid without a finished trial."""
-    done = {(tuple(lv.items()), s) for lv, values in table for s in values}
-    return [f"{v.name} (seed {s})" for v in h.spec.variants() for s in h.spec.seeds
-            if (tuple(levels_of(v.levels).items()), s) not in done]
+def table_grid(table: list[tuple[Levels, dict[int, float]]], cells: list[Levels], reference: Levels | None = None,
+               correction: str = "dunnett") -> Grid:
+    """A grid from (levels, {seed: value}) of its finished cells, for tests and simulations; the reference (default
+    the first cell) must have finished."""
+    reference = reference or cells[0]
+    done = [(lv, v) for lv, v in table if v]
+    done.sort(key=lambda t: t[0] != reference)  # the reference first: the model's baseline row
+    seeds = sorted({s for _, v in done for s in v})
+    y = np.array([[v.get(s, np.nan) for s in seeds] for _, v in done])
+    model = fitted([str(i) for i in range(len(done))], seeds, y, correction=correction)
+    row_of = [next((i for i, (lv, _) in enumerate(done) if lv == c), None) for c in cells]
+    return Grid(list(cells[0]), cells, row_of, [set(done[i][1]) if i is not None else set() for i in row_of],
+                reference, model)
 
 
-class EffectModel:
-    """metric ~ intercept + each factor (+ the pair's interaction) + seed, by least squares over every finished
-    trial; `grid` (every variant's levels) and the seeds that finished are what the marginal means average over."""
-
-    def __init__(self, table: list[tuple[Levels, dict[int, float]]], grid: list[Levels],
-                 pair: tuple[str, str] | None = None):
-        self.names, self.grid, self.pair = factors(table), grid, pair
-        self.values = {f: list(dict.fromkeys(g[f] for g in grid)) for f in self.names}
-        self.seeds = sorted({s for _, values in table for s in values})
-        self.table = table
-        x = np.array([self.row(lv, s) for lv, values in table for s in values])  # (trials, params)
-        y = np.array([v for _, values in table for v in values.values()])  # (trials,)
-        self.fit = fit_linear(x, y)
-
-    def row(self, levels: Levels, seed: int) -> list[float]:
-        """The design row of a trial: treatment-coded factors, the pair's products, the seed."""
-        out = [1.0]
-        for f in self.names:
-            out += [float(levels[f] == v) for v in self.values[f][1:]]
-        if self.pair:
-            a, b = self.pair
-            out += [float(levels[a] == x and levels[b] == y) for x in self.values[a][1:] for y in self.values[b][1:]]
-        return out + [float(seed == s) for s in self.seeds[1:]]
-
-    def mean_of(self, where: Levels) -> np.ndarray:
-        """The contrast of the marginal mean at `where`: the design rows of the grid's cells that match it, over
-        every seed, averaged."""
-        return np.mean([self.row(g, s) for g in self.grid if all(g[k] == v for k, v in where.items())
-                        for s in self.seeds], axis=0)
-
-    def effect(self, where: Levels, first: Levels | None = None) -> Effect:
-        est = self.fit.estimate(self.mean_of(where))
-        n = len({s for lv, values in self.table if all(lv[k] == v for k, v in where.items()) for s in values})
-        e = Effect(tuple(where.values()), *(est or (math.nan,) * 3), n, why="" if est else self.why_not(where, n))
-        if first is not None and first != where:
-            e.vs_first = self.fit.estimate(self.mean_of(where) - self.mean_of(first))
-        return e
-
-
-    def why_not(self, where: Levels, n: int) -> str:
-        """Why the mean at `where` is not estimable: no finished trial there, or none at a value of another factor
-        that the mean averages over, or the finished trials confound it with the other factors."""
-        if n == 0:
-            return f"no finished trial with {', '.join(f'{k}={v}' for k, v in where.items())}"
-        unseen = [f"{f}={v}" for f in self.names if f not in where for v in self.values[f]
-                  if not any(lv[f] == v and values for lv, values in self.table)]
-        if unseen:
-            return (f"{n} seed(s) finished here, but no trial with {', '.join(unseen)} finished, and the mean "
-                    "averages over it")
-        return f"{n} seed(s) finished here, but the finished trials cannot separate it from the other factors"
-
-
-def main_effects(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels]) -> dict[str, list[Effect]]:
-    """Each factor's marginal mean at each value, and its difference to the first value (additive model)."""
-    m = EffectModel(table, grid)
-    return {f: [m.effect({f: v}, {f: m.values[f][0]}) for v in m.values[f]] for f in m.names}
-
-
-def interaction(table: list[tuple[Levels, dict[int, float]]], grid: list[Levels], a: str, b: str) -> list[Effect]:
-    """Cells of factors a x b (model with their interaction), each with its interaction term and 95% CI."""
-    m = EffectModel(table, grid, (a, b))
-    out = []
-    for x in m.values[a]:
-        for y in m.values[b]:
-            e = m.effect({a: x, b: y})
-            e.interaction = m.fit.estimate(m.mean_of({a: x, b: y}) - m.mean_of({a: x}) - m.mean_of({b: y})
-                                           + m.mean_of({}))
-            out.append(e)
+def main_effects(grid: Grid) -> dict[str, list[Effect]]:
+    """Each factor's marginal mean at each value, and its difference to the baseline's value (Dunnett over the
+    factor's values)."""
+    out = {}
+    for f in grid.names:
+        values, ref = grid.values(f), grid.reference[f]
+        out[f] = tested_levels(grid, [{f: v} for v in values], {f: ref})
     return out
+
+
+def tested_levels(grid: Grid, wheres: list[Levels], ref: Levels) -> list[Effect]:
+    """The marginal means at `wheres`, and each one's difference to the one at `ref`, as one Dunnett family."""
+    m = grid.model
+    effects, contrasts = [], []
+    base, _ = grid.average(ref)
+    for where in wheres:
+        c, why = grid.average(where)
+        e = Effect(tuple(where.values()), math.nan, math.nan, math.nan, grid.n_seeds(where), why=why)
+        if c is not None and m.fit is not None:
+            t = m.means(c[None])
+            e.mean, e.low, e.high = float(t.estimate[0]), float(t.low[0]), float(t.high[0])
+            if base is not None and where != ref:
+                contrasts.append((e, c - base))
+        effects.append(e)
+    if contrasts and m.fit is not None:
+        t = m.family(np.array([c for _, c in contrasts]), m.correction)
+        for i, (e, _) in enumerate(contrasts):
+            e.vs_base = (float(t.estimate[i]), float(t.low[i]), float(t.high[i]), float(t.p[i]))
+    return effects
+
+
+def interaction(grid: Grid, a: str, b: str) -> list[Effect]:
+    """Cells of factors a x b: each mean, its difference to the baseline's cell (Dunnett over the cells) and its
+    interaction term with a 95% interval."""
+    wheres = [{a: x, b: y} for x in grid.values(a) for y in grid.values(b)]
+    cells = tested_levels(grid, wheres, {a: grid.reference[a], b: grid.reference[b]})
+    m = grid.model
+    for where, e in zip(wheres, cells, strict=True):
+        parts = [grid.average(w)[0] for w in (where, {a: where[a]}, {b: where[b]}, {})]
+        if m.fit is None or any(p is None for p in parts):
+            continue
+        t = m.means((parts[0] - parts[1] - parts[2] + parts[3])[None])
+        e.interaction = (float(t.estimate[0]), float(t.low[0]), float(t.high[0]))
+    return cells
+
+
+def all_pairs(grid: Grid, f: str) -> list[tuple[str, str, float, float, float, float]]:
+    """Every pair of f's values (x, y, y - x, interval, Tukey-adjusted p; Games-Howell under Welch's model), for the
+    values whose marginal means are estimated."""
+    m = grid.model
+    values = [v for v in grid.values(f) if grid.average({f: v})[0] is not None]
+    if len(values) < 3 or m.fit is None:
+        return []
+    means = np.array([grid.average({f: v})[0] for v in values])  # (values, k)
+    which, lin = inference.pairs(list(range(len(values))), len(values))
+    t = m.family(lin @ means, "tukey")
+    return [(values[i], values[j], float(t.estimate[n]), float(t.low[n]), float(t.high[n]), float(t.p[n]))
+            for n, (i, j) in enumerate(which)]
 
 
 def fmt_ci(value: float, low: float, high: float, d: int, sign: str = "", why: str = "") -> str:
     if math.isnan(value):
-        return f"not estimable ({why or 'the finished trials cannot tell it'})"
-    ci = "(no residual df: no CI)" if math.isnan(low) else f"[{low:{sign}.{d}f}, {high:{sign}.{d}f}]"
+        return f"not estimated ({why or 'the finished trials cannot tell it'})"
+    ci = "(no variance: no CI)" if math.isnan(low) else f"[{low:{sign}.{d}f}, {high:{sign}.{d}f}]"
     return f"{value:{sign}.{d}f} {ci}"
+
+
+def fmt_delta(vs: tuple[float, float, float, float] | None, d: int, level: float) -> str:
+    if vs is None:
+        return ""
+    star = "*" if vs[3] < level else ""
+    return f"  Δ {fmt_ci(*vs[:3], d, '+')} p {vs[3]:.3g}{star}" if math.isfinite(vs[3]) else \
+        f"  Δ {vs[0]:+.{d}f} (no test)"
+
+
+def missing_cells(h: StudyHandle, grid: Grid) -> list[str]:
+    """The (variant, seed) cells of the grid without a finished trial."""
+    return [f"{v.name} (seed {s})" for v, seeds in zip(h.spec.variants(), grid.seeds, strict=True)
+            for s in h.spec.seeds if s not in seeds]
 
 
 def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir: Path | None = None
@@ -163,57 +205,74 @@ def effects_report(h: StudyHandle, pair: tuple[str, str] | None = None, out_dir:
     printed, and effects.csv, effects.png in out_dir (default: the study directory)."""
     if h.spec.is_search:
         raise ValueError(f"{h.spec.name} is a search: main effects need a grid (axes: or variants:)")
-    rows, _ = collect_rows(h, tests=False)  # the effects need the rows' values, not their tests
-    table = level_table(h, rows)
-    names = factors(table)
-    if not names:
-        raise ValueError(f"{h.spec.name}: no finished trials yet")
+    grid = study_grid(h)
+    names, m = grid.names, grid.model
     pair = pair or (tuple(names[:2]) if len(names) >= 2 else None)
     if pair is not None and any(p not in names for p in pair):
         raise ValueError(f"--pair {' '.join(pair)}: the factors of {h.spec.name} are {', '.join(names)}")
     if pair is not None and pair[0] == pair[1]:
         raise ValueError(f"--pair {' '.join(pair)}: an interaction needs two different factors; "
                          f"the factors of {h.spec.name} are {', '.join(names)}")
-    d = digits(rows[0].mean)
-    grid = [levels_of(v.levels) for v in h.spec.variants()]
-    main = main_effects(table, grid)
-    trials = sum(len(values) for _, values in table)
+    d = digits(float(np.nanmax(np.abs(m.y))))
+    alpha = 1 - m.level
+    main = main_effects(grid)
+    how = {"pooled": "metric ~ variant + seed, the residual variance pooled over every variant",
+           "welch": f"each variant's own variance over its seeds (Welch: {m.why})",
+           "paired bootstrap": "1 seed: no seed variance, no interval", "": "no test"}[m.method]
     lines = [f"{h.spec.name}: main effects on {h.spec.metric} ({h.spec.direction} is better): each value averaged "
-             f"over the other factors and the seeds, from a linear model (factors + seed) fitted to {trials} "
-             "finished trial(s); 95% CI on its residual degrees of freedom"]
-    holes = missing_cells(h, table)
+             f"over the other factors, from the study's model ({how}; {int(np.isfinite(m.y).sum())} finished "
+             f"trial(s)); 95% CI; Δ: difference to the baseline's value, simultaneous 95% CI and p adjusted over "
+             f"the factor's values ({'Dunnett' if m.method == 'pooled' else 'Holm'}; * p < {alpha:g})"]
+    holes = missing_cells(h, grid)
     if holes:
-        lines.append(f"missing cells ({len(holes)}), filled by the model: " + ", ".join(holes))
+        lines.append(f"missing cells ({len(holes)}), left out of the model: " + ", ".join(holes))
+    pairs_of = {}
     for f, effects in main.items():
         lines.append(f"\n{f}")
         width = max(len(e.levels[0]) for e in effects)
         for e in effects:
-            gap = f"  ({fmt_ci(*e.vs_first, d, '+')} vs {effects[0].levels[0]})" if e.vs_first else ""
-            lines.append(f"  {e.levels[0]:<{width}}  {fmt_ci(e.mean, e.low, e.high, d, why=e.why)}{gap}")
-    cells = interaction(table, grid, *pair) if pair else []
+            ref = "  (baseline)" if e.levels[0] == grid.reference[f] and math.isfinite(e.mean) else ""
+            lines.append(f"  {e.levels[0]:<{width}}  {fmt_ci(e.mean, e.low, e.high, d, why=e.why)}"
+                         f"{fmt_delta(e.vs_base, d, alpha)}{ref}")
+        pairs_of[f] = all_pairs(grid, f)
+        if pairs_of[f]:
+            lines.append("  all pairs (Tukey" + ("" if m.method == "pooled" else "-Games-Howell") + "): " + "; ".join(
+                f"{y} - {x} {fmt_ci(v, lo, hi, d, '+')} p {p:.3g}{'*' if p < alpha else ''}"
+                for x, y, v, lo, hi, p in pairs_of[f]))
+    cells = interaction(grid, *pair) if pair else []
     if pair:
-        lines.append(f"\ninteraction {pair[0]} x {pair[1]}: mean [95% CI]; interaction term = cell - row mean - "
-                     "column mean + grand mean [95% CI]")
+        lines.append(f"\ninteraction {pair[0]} x {pair[1]}: mean [95% CI]; Δ to the baseline's cell (adjusted over "
+                     "the cells); interaction term = cell - row mean - column mean + grand mean [95% CI]")
         for c in cells:
             term = f"  interaction {fmt_ci(*c.interaction, d, '+')}" if c.interaction else ""
-            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_ci(c.mean, c.low, c.high, d, why=c.why)}{term}")
+            lines.append(f"  {c.levels[0]} x {c.levels[1]}:  {fmt_ci(c.mean, c.low, c.high, d, why=c.why)}"
+                         f"{fmt_delta(c.vs_base, d, alpha)}{term}")
     else:
         lines.append("\n(one factor: no interaction)")
     out_dir = Path(out_dir or h.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "effects.csv", out_dir / "effects.png"]
-    with open(paths[0], "w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(["factor", "level", "mean", "ci_low", "ci_high", "n_seeds", "delta_vs_first", "delta_ci_low",
-                    "delta_ci_high", "interaction", "interaction_ci_low", "interaction_ci_high"])
-        for f, effects in main.items():
-            w.writerows([f, e.levels[0], e.mean, e.low, e.high, e.n_seeds, *(e.vs_first or ("", "", "")), "", "", ""]
-                        for e in effects)
-        for c in cells:
-            w.writerow([" x ".join(pair), " x ".join(c.levels), c.mean, c.low, c.high, c.n_seeds, "", "", "",
-                        *(c.interaction or ("", "", ""))])
+    write_effects(paths[0], main, pair, cells, pairs_of)
     plot_effects(paths[1], h, main, pair, cells)
     return "\n".join(lines), paths
+
+
+def write_effects(path: Path, main: dict[str, list[Effect]], pair: tuple[str, str] | None, cells: list[Effect],
+                  pairs_of: dict[str, list]) -> None:
+    blank = ("", "", "", "")
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["factor", "level", "mean", "ci_low", "ci_high", "n_seeds", "delta_vs_baseline", "delta_ci_low",
+                    "delta_ci_high", "p_adjusted", "interaction", "interaction_ci_low", "interaction_ci_high"])
+        for f, effects in main.items():
+            w.writerows([f, e.levels[0], e.mean, e.low, e.high, e.n_seeds, *(e.vs_base or blank), "", "", ""]
+                        for e in effects)
+        for c in cells:
+            w.writerow([" x ".join(pair), " x ".join(c.levels), c.mean, c.low, c.high, c.n_seeds,
+                        *(c.vs_base or blank), *(c.interaction or ("", "", ""))])
+        for f, pairs in pairs_of.items():
+            w.writerows([f"{f} (pair, Tukey)", f"{y} - {x}", "", "", "", "", v, lo, hi, p, "", "", ""]
+                        for x, y, v, lo, hi, p in pairs)
 
 
 def plot_effects(path: Path, h: StudyHandle, main: dict[str, list[Effect]], pair: tuple[str, str] | None,
@@ -246,69 +305,3 @@ def plot_effects(path: Path, h: StudyHandle, main: dict[str, list[Effect]], pair
 
 
 # ---------------------------------------------------------------------------------------------- transfer
-def varied(h: StudyHandle) -> list[str]:
-    """The config fields a study varies, in file order."""
-    return list(dict.fromkeys(k for v in h.spec.variants() for k in v.overrides))
-
-
-def joined_scores(h: StudyHandle, rows: list[Row], keys: list[str]) -> dict[str, dict[int, float]]:
-    """Each variant's score per seed by its values of `keys` (from the config it trained with), averaged over the
-    rows that share them; by variant name when `keys` is empty."""
-    groups: dict[str, dict[int, list[float]]] = {}
-    for r in rows:
-        config = r.trials[0].user_attrs.get("config") or {}
-        if keys:
-            name = ", ".join(f"{k.split('.', 1)[1]}={fmt(config.get(k.split('.')[0], {}).get(k.split('.', 1)[1]))}"
-                             for k in keys)
-        else:
-            name = r.variant
-        for seed, v in r.by_seed.items():
-            groups.setdefault(name, {}).setdefault(seed, []).append(v)
-    return {k: {s: sum(v) / len(v) for s, v in by_seed.items()} for k, by_seed in groups.items()}
-
-
-def oriented(h: StudyHandle, scores: dict[str, dict[int, float]], names: list[str]) -> np.ndarray:
-    """(variants, seeds) of `names`' scores, NaN where a variant lacks a seed, signed so that higher is better."""
-    seeds = sorted({s for n in names for s in scores[n]})
-    sign = 1.0 if h.spec.direction == "max" else -1.0
-    return np.array([[sign * scores[n].get(s, math.nan) for s in seeds] for n in names])
-
-
-def compare_studies(a: StudyHandle, b: StudyHandle) -> str:
-    """The side-by-side table of the variants in both studies and the rank correlation of their scores, with
-    95% intervals over each study's seeds (stats.rank_intervals)."""
-    keys = [k for k in varied(a) if k in set(varied(b))]
-    sa, sb = joined_scores(a, collect_rows(a, tests=False)[0], keys), \
-        joined_scores(b, collect_rows(b, tests=False)[0], keys)
-    shared = [k for k in sa if k in sb]
-    on = f"the fields both vary ({', '.join(keys)}; other factors averaged over)" if keys else "variant names"
-    lines = [f"{a.spec.name} vs {b.spec.name}: {len(shared)} variant(s) in both, joined on {on}"]
-    if not shared:
-        return "\n".join(lines)
-    # oriented: higher is better in both, so that rank 1 is each study's best
-    va, vb = oriented(a, sa, shared), oriented(b, sb, shared)  # (variants, seeds) each
-    ma, mb = np.nanmean(va, axis=1), np.nanmean(vb, axis=1)  # (variants,)
-    sign_a, sign_b = (1.0 if h.spec.direction == "max" else -1.0 for h in (a, b))
-    ra, rb = ({k: i + 1 for i, k in enumerate(sorted(shared, key=lambda k, m=m: -m[shared.index(k)]))}
-              for m in (ma, mb))
-    head = [f"{h.spec.name}: {h.spec.metric} {'↑' if h.spec.direction == 'max' else '↓'} | rank" for h in (a, b)]
-    lines += ["", f"| variant | {head[0]} | {head[1]} |", "|---|---:|---:|---:|---:|"]
-    for k in sorted(shared, key=lambda k: ra[k]):
-        x, y = sign_a * ma[shared.index(k)], sign_b * mb[shared.index(k)]
-        lines.append(f"| {k} | {x:.{digits(x)}f} | {ra[k]} | {y:.{digits(y)}f} | {rb[k]} |")
-    if len(shared) < 3:
-        lines.append(f"\n{len(shared)} shared variant(s): too few for a rank correlation")
-        return "\n".join(lines)
-    r = rank_correlation(ma, mb)
-    sig = a.spec.significance
-    ci = rank_intervals(va, vb, sig["resamples"], sig["seed"])
-
-    def stat(name: str, p: float | None) -> str:
-        return correlation_text(r, ci, name) + (f" (p = {p:.3g})" if p is not None else "")
-
-    lines.append(f"\nKendall's tau = {stat('tau', r['tau_p'])}, Spearman's rho = {stat('rho', r['rho_p'])}, "
-                 f"n = {r['n']}" + (f": {r['why']}" if r["why"] else f"; {r['p_method']}"))
-    lines.append("scores oriented so that higher is better in both; " + (
-        f"CIs: percentile intervals over {sig['resamples']} resamples of each study's seeds" if ci is not None
-        else "no CI: each study has 1 seed"))
-    return "\n".join(lines)

@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 
 from ..ablate.study import StudyHandle
 from .columns import FINAL_METRIC
-from .report import Row, collect_rows
+from .report import table_rows
+from .rows import Row
 
 Curve = list[list[float]]  # [[step, value], ...] as the trials store them
 
@@ -64,7 +65,7 @@ def plot(h: StudyHandle, out_dir: Path | None = None) -> list[Path]:
     """curves.png and metric.png in out_dir (default: the study directory)."""
     out_dir = Path(out_dir or h.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, _ = collect_rows(h)
+    rows = table_rows(h).rows
     metric = h.spec.metric
     paths = [out_dir / "curves.png", out_dir / "metric.png"]
 

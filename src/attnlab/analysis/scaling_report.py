@@ -21,9 +21,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..ablate.study import DONE, StudyHandle, point_states, trial_value
+from .ranks import correlation_text, rank_correlation, rank_intervals, withheld
 from .report import latex_escape
 from .scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
-from .stats import correlation_text, rank_correlation, rank_intervals
 
 Points = dict[int, tuple[float, float]]  # seed -> (training FLOPs, final validation loss)
 RESAMPLES = 200
@@ -202,10 +202,12 @@ def size_transfer(h: StudyHandle, curves: dict[str, Curve], sizes: list[str]) ->
 
     a, b = matrix(small), matrix(large)
     r = rank_correlation(np.nanmean(a, 1), np.nanmean(b, 1))
-    ci = rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
+    why = withheld({f"size {small} and {large}": len(seeds)})
+    ci = None if why else rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
     stat = {k: correlation_text(r, ci, k) for k in ("tau", "rho")}
     p = r["why"] or f"p = {r['tau_p']:.3g} (tau), {r['rho_p']:.3g} (rho); {r['p_method']}"
-    return f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}"
+    return (f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}" +
+            (f"; no CI: {why}" if why else ""))
 
 
 def plot_scaling(path: Path, h: StudyHandle, curves: dict[str, Curve], c_min: float, c_max: float,
