@@ -21,8 +21,9 @@ three processes, one after the other, each alone on the machine:
 
 Each row: sentences/s of the mean of --repeats passes after a warm-up pass (and of the fastest), the share of
 sentences whose text is attnlab's own (attnlab's row at the first thread count, same beam), the test BLEU, what
-ran (`config`) and the load average before and after. `--in-process` runs the rows in this process instead (for
-the tests: the timings then share a process). `--int8` (CPU) adds int8 rows, apart from the fp32 comparison:
+ran (`config`), the load average before and after and the share of the CPUs other processes took meanwhile
+(`--wait-idle` waits for idle CPUs first). `--in-process` runs the rows in this process instead (for the tests:
+the timings then share a process). `--int8` (CPU) adds int8 rows, apart from the fp32 comparison:
 attnlab with torch's dynamic quantization of its linear layers, the engine with CTranslate2's int8 compute.
 """
 
@@ -32,6 +33,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -154,19 +156,51 @@ def int8_row(module, tok, spec: dict, beam: int, engine: str, workers: int | Non
             "int8": True}
 
 
-def in_child(spec: dict, in_process: bool) -> list[dict]:
-    """run_engine(spec) in a new Python process (or in this one)."""
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process's finished children) so far; None off Linux."""
+    try:
+        jiffies = [int(x) for x in Path("/proc/stat").read_text(encoding="utf-8").split("\n")[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / tick, children.ru_utime + children.ru_stime  # less idle, iowait
+
+
+def wait_idle(seconds: float) -> float | None:
+    """Wait (at most `seconds`) until the CPUs have been idle for 6 s, as other users of a shared machine allow;
+    the idle share of the last 2 s (None off Linux)."""
+    idle, quiet, end = None, 0, time.monotonic() + seconds
+    while True:
+        before = cpu_seconds()
+        time.sleep(2)
+        after = cpu_seconds()
+        if before is None or after is None:
+            return None
+        idle = 1 - (after[0] - before[0]) / (2 * (os.cpu_count() or 1))
+        quiet = quiet + 1 if idle >= 0.95 else 0
+        if quiet >= 3 or time.monotonic() > end:
+            return round(idle, 3)
+
+
+def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
+    """run_engine(spec) in a new Python process (or in this one), and what else ran meanwhile: the CPU seconds the
+    machine's other processes took during the child's run, as a share of its CPUs (`others_cpu_share`)."""
     if in_process:
         threads = torch.get_num_threads()
         try:
-            return run_engine(spec)
+            return run_engine(spec), {}
         finally:
             torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="decode_vs_ct2-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec), encoding="utf-8")
+        t0, before = time.perf_counter(), cpu_seconds()
         subprocess.run([sys.executable, __file__, "--child", str(path)], check=True)
-        return json.loads((Path(tmp) / "rows.json").read_text(encoding="utf-8"))
+        wall, after = time.perf_counter() - t0, cpu_seconds()
+        others = {} if before is None or after is None else {"others_cpu_share": round(
+            max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / (wall * (os.cpu_count() or 1)), 3)}
+        return json.loads((Path(tmp) / "rows.json").read_text(encoding="utf-8")), others
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -189,6 +223,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="also int8 rows on a CPU: attnlab with torch's dynamic quantization of its nn.Linear layers "
                         "(the tied output projection stays fp32), and the engine with CTranslate2's int8 compute")
     p.add_argument("--in-process", action="store_true", help="run the engines in this process (tests)")
+    p.add_argument("--wait-idle", type=float, default=0,
+                   help="on a shared machine, before each engine's process wait up to this many seconds for the CPUs "
+                        "to be idle (Linux; each row then says what other processes took while it ran)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -224,12 +261,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ours: dict[int, list[str]] = {}  # beam -> attnlab's text at the first thread count
     for n in threads:
         for engine in [e for e in ENGINES if e in engines]:
+            idle = {"idle_before": wait_idle(args.wait_idle)} if args.wait_idle else {}
             load = os.getloadavg()[0]
             try:
-                got = in_child({**base, "engine": engine, "threads": n}, args.in_process)
+                got, others = in_child({**base, "engine": engine, "threads": n}, args.in_process)
             except Exception as e:  # a failed engine is a failed row: the others still run
-                got = [{"row": engine, "error": f"{type(e).__name__}: {e}"}]
-            loads = {"load_before": load, "load_after": os.getloadavg()[0]}  # 1-minute load averages
+                got, others = [{"row": engine, "error": f"{type(e).__name__}: {e}"}], {}
+            loads = {"load_before": load, "load_after": os.getloadavg()[0], **idle, **others}  # 1-minute loads
             for r in got:
                 texts = r.pop("texts", None)
                 if "hyps" in r:
@@ -248,7 +286,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run_row(rows, {"row": r["row"], "threads": n or "-", "engine": engine, "sentences": len(srcs)}, row)
     print_table(rows, [("row", "row"), ("threads", "threads"), ("sentences", "sentences"), ("sent_per_s", "sent/s"),
                        ("sent_per_s_best", "best"), ("same_text", "same text"), ("bleu", "BLEU"),
-                       ("load_before", "load"), ("status", "status")])
+                       ("load_before", "load"), ("others_cpu_share", "others' CPU"), ("status", "status")])
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 
