@@ -284,15 +284,3 @@ def against_baseline(y: np.ndarray, mask: np.ndarray, base: int, g: np.ndarray |
         return welch_t, use, p_check, why
     pool_t = family(with_test_set(pool, g), lin, correction, level, intervals and bool(use.any()), skip_above)
     return merge(use, pool_t, welch_t), use, p_check, why
-
-
-def all_pairs(y: np.ndarray, mask: np.ndarray, g: np.ndarray | None = None, level: float = 0.95
-              ) -> tuple[list[tuple[int, int]], Tested, np.ndarray]:
-    """Every pair of rows, Tukey-adjusted (Games-Howell where the pooled model is not used)."""
-    k = mask.shape[0]
-    which, lin = pairs(list(range(k)), k)
-    pool, wel, use, _, _ = choose(y, mask)
-    welch_t = family(with_test_set(wel, g), lin, "tukey", level)
-    if pool is None:
-        return which, welch_t, use
-    return which, merge(use, family(with_test_set(pool, g), lin, "tukey", level), welch_t), use
