@@ -136,7 +136,7 @@ def test_per_seed_interval_is_the_percentile_interval_of_the_resampled_differenc
     their text by `sacrebleu.corpus_bleu`, then the 2.5th and 97.5th percentiles of the differences by linear
     interpolation between order statistics (not the mean ± half their distance)."""
     base, row = system(0.3, "pa"), system(0.22, "pb")
-    resamples, seed, n = 200, 7, len(REFS)
+    resamples, seed, n = 100, 7, len(REFS)
     p, low, high = paired_bootstrap(base, row, REFS, "bleu", resamples, seed)
     idx = np.random.default_rng(seed).choice(n, size=(resamples, n), replace=True)  # sacreBLEU's draw
     diffs = sorted(sacrebleu.corpus_bleu([row[j] for j in i], [[REFS[j] for j in i]]).score
