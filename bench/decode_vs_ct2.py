@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import multiprocessing
 import os
 import resource
-import subprocess
 import sys
-import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -192,21 +191,20 @@ def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
             return run_engine(spec), {}
         finally:
             torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory(prefix="decode_vs_ct2-") as tmp:
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec), encoding="utf-8")
-        t0, before = time.perf_counter(), cpu_seconds()
-        subprocess.run([sys.executable, __file__, "--child", str(path)], check=True)
-        wall, after = time.perf_counter() - t0, cpu_seconds()
-        others = {} if before is None or after is None else {"others_cpu_share": round(
-            max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / (wall * (os.cpu_count() or 1)), 3)}
-        return json.loads((Path(tmp) / "rows.json").read_text(encoding="utf-8")), others
+    t0, before = time.perf_counter(), cpu_seconds()
+    # a new interpreter (spawned, not forked: nothing of this process's torch state), joined before the CPU count
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rows = pool.submit(run_engine, spec).result()
+    wall, after = time.perf_counter() - t0, cpu_seconds()
+    others = {} if before is None or after is None else {"others_cpu_share": round(
+        max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / (wall * (os.cpu_count() or 1)), 3)}
+    return rows, others
 
 
 # ---------------------------------------------------------------------------------------------- the table
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", help="a translation checkpoint whose variant exports (Marian's)")
+    p.add_argument("--ckpt", required=True, help="a translation checkpoint whose variant exports (Marian's)")
     p.add_argument("--threads", default="1,2", help="CPU thread counts, comma-separated")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--beams", default="1,4")
@@ -227,14 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="on a shared machine, before each engine's process wait up to this many seconds for the CPUs "
                         "to be idle (Linux; each row then says what other processes took while it ran)")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child is not None:  # one engine's process: its rows to rows.json beside the spec
-        rows = run_engine(json.loads(args.child.read_text(encoding="utf-8")))
-        (args.child.parent / "rows.json").write_text(json.dumps(rows), encoding="utf-8")
-        return rows
-    if args.ckpt is None:
-        p.error("the following arguments are required: --ckpt")
     need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
     sacrebleu = need("sacrebleu", "pip install sacrebleu")
     exp = load_experiment(run_dir_of(args.ckpt) / "config.yaml")
