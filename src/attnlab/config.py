@@ -425,9 +425,8 @@ class DecodeConfig(StrictConfig):
     # sorted by length, the last batch gathers the long tail (on the demo's test split, 22 sentences padded to 670)
     max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest); 0 = no limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
-    # last: the last average_last step checkpoints; best: as many ending at the validation with the lowest loss
     # (best_window.py: a short run on a small corpus is past its best by its end)
-    average_at: str = "last"
+    average_at: str = "last"  # last: the last average_last checkpoints; best: those up to the lowest val loss
     engine: str = "attnlab"  # what decodes test, translate, demo, the final evaluation: attnlab | ctranslate2
     # On an H100 (bench/RESULTS.md, 2026-11-26): 4.1x HF Marian greedy and 2.6x beam 4, against 1.35x and 1.26x
     # without; tests/test_gpu.py checks its tokens inside the module under bf16 autocast. Ignored on a CPU, for ALiBi

@@ -59,10 +59,9 @@ class TrainConfig(StrictConfig):
     strategy: str = "auto"  # auto | ddp | fsdp
     compile: bool = False  # torch.compile each block
     loss_chunk: int = 0  # > 0: training loss without the batch's logits, this many tokens at a time; 0 = plain
-    # the training loss by a fused kernel library (the gpu extra, lit/fused_loss.py): auto | liger | cce | off. auto:
-    # on CUDA liger, else cce, where installed and able to compute the loss (it then takes precedence over
+    # auto: on CUDA liger, else cce, where installed and able to compute the loss (it then takes precedence over
     # loss_chunk); elsewhere off, the logits path (plain, or chunked by loss_chunk)
-    fused_loss: str = "auto"
+    fused_loss: str = "auto"  # the training loss by a fused kernel library (gpu extra): auto | liger | cce | off
     # checkpoint files written by a background thread from a copy of the state taken at the step (checkpoint_io.py), so
     # that training goes on while they are written: auto = on CUDA (not FSDP), foreground elsewhere
     checkpoint_writes: str = "auto"  # auto | background | foreground
