@@ -139,6 +139,11 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: run it under a time limit, log i
   record "$name" "$status" $((SECONDS - t0))
 }
 copy_if() { [ -f "$1" ] && cp "$1" "$2"; return 0; }
+# the benchmark row whose loss a fit took: Liger's where it ran (trainer.fused_loss auto takes it on CUDA), else plain
+fit_row() { "$PY" -c "
+import json, sys
+ok = {r['model'] for r in json.load(open(sys.argv[1]))['rows'] if r.get('status') == 'ok'}
+print('encdec/attnlab-liger' if 'attnlab-liger' in ok else 'encdec/attnlab')" "$1" 2>/dev/null || echo encdec/attnlab; }
 
 ATTNLAB=("$PY" -m attnlab)
 DATA=(--data.locale_dir "$LOCALE" --trainer.runs_dir "$OUT/runs" --trainer.progress_bar false)
@@ -150,6 +155,7 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
         --data.vocab_size 300 --data.max_tokens 512 --decode.max_len_a 0 --decode.max_len_b 4
         --decode.val_sentences 8 --trainer.val_every 1000 --trainer.ckpt_every 2 --trainer.log_every 2)
   BENCH=(--cpu --steps 1 --warmup 1)
+  FIT_ROWS=encdec/attnlab
   TRAIN_COMPILE=("${BENCH[@]}" --compile-backend eager --only encdec/attnlab,lm/attnlab)
   FIT_TIME=0.15; BASE_FIT_TIME=0.15; BASE_TIME=0.15; DEMO_EXTRA=("${TINY[@]}")
   BASE_EXTRA=("${TINY[@]}" --decode.beam 2 --trainer.val_every 4 --model.dropout 0.3 --decode.average_at best)
@@ -160,6 +166,7 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   L_TESTS=120; L_COMPILE=120; L_BENCH=240; L_CT2=120; L_PEER=240; L_ABL=240
 else
   BENCH=()
+  FIT_ROWS=encdec/attnlab,encdec/attnlab-liger  # the fit takes Liger's loss where it runs: fit_row picks its row
   # attnlab with the plain loss and with Liger's (whole model compiled, and trainer.compile's compiled blocks, what
   # a fit runs), beside x-transformers; Liger beat CCE on the LM (bench/RESULTS.md, 2026-11-26) and CCE refuses the
   # enc-dec's label smoothing. About 35 s a row on an H100, compiling included
@@ -194,9 +201,10 @@ step train_compile $L_COMPILE "$PY" bench/train_throughput.py --modes compile --
 BASE_FIT_RUN="$OUT/runs/gpu_base_fit"
 step base_fit $((120 + ${BASE_FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit "${BASE[@]}" --trainer.run_name gpu_base_fit \
   --trainer.max_time_min "$BASE_FIT_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
-step base_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec --only encdec/attnlab \
-  --recipe "$BASE_FIT_RUN/config.yaml" --json "$OUT/base_bench.json"
+step base_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec \
+  --only "$FIT_ROWS" --recipe "$BASE_FIT_RUN/config.yaml" --json "$OUT/base_bench.json"
 wanted base_bench && "$PY" bench/fit_vs_bench.py "$BASE_FIT_RUN" "$OUT/base_bench.json" --json "$OUT/base_fit.json" \
+  --row "$(fit_row "$OUT/base_bench.json")" \
   | tee -a "$OUT/base_bench.log"
 # CTranslate2's wheels (4.8.5) open CUDA 12's cuBLAS by name, libcublas.so.12. Where the machine has only CUDA 13's
 # (torch's, on the H100 image), CTranslate2 gets that name for it, a link in <out>/cuda12_names on its library
@@ -231,6 +239,7 @@ if wanted base_bleu; then
   copy_if "$OUT/runs/gpu_base/demo_translations.jsonl" "$OUT/base_translations.jsonl"  # where the BLEU goes
   copy_if "$OUT/runs/gpu_base/config.yaml" "$OUT/base_bleu_config.yaml"
   [ -f "$OUT/base_bench.json" ] && "$PY" bench/fit_vs_bench.py "$OUT/runs/gpu_base" "$OUT/base_bench.json" \
+    --row "$(fit_row "$OUT/base_bench.json")" \
     --json "$OUT/base_bleu_fit.json" | tee -a "$OUT/base_bleu.log"
 fi
 
@@ -312,9 +321,10 @@ DEMO_RUN="$OUT/runs/gpu_demo_fit"
 step demo_fit $((180 + ${FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit -c experiments/demo_en_de.yaml "${DATA[@]}" \
   --trainer.run_name gpu_demo_fit --trainer.max_time_min "$FIT_TIME" \
   $([ "$DRY" = 0 ] && echo --trainer.precision bf16-mixed) "${DEMO_EXTRA[@]}"
-step demo_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec --only encdec/attnlab \
-  --recipe "$DEMO_RUN/config.yaml" --json "$OUT/demo_bench.json"
+step demo_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec \
+  --only "$FIT_ROWS" --recipe "$DEMO_RUN/config.yaml" --json "$OUT/demo_bench.json"
 wanted demo_bench && "$PY" bench/fit_vs_bench.py "$DEMO_RUN" "$OUT/demo_bench.json" --json "$OUT/demo_fit.json" \
+  --row "$(fit_row "$OUT/demo_bench.json")" \
   | tee -a "$OUT/demo_bench.log"
 
 echo
