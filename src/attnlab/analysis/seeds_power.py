@@ -107,7 +107,7 @@ def run_case(case: Case, studies: int, seed: int = 0, chunk: int = 500, fixed_to
         right.append((r.state == sequential.BETTER) == (np.array(case.deltas) > 0))
         equivalent.append(r.state == sequential.EQUIVALENT)
         trainings.append(r.trainings())
-        looks.append(1 + sum((b != a).any(-1) for a, b in zip(r.seeds, r.seeds[1:])))  # (studies,) its rounds
+        looks.append(1 + sum((b != a).any(-1) for a, b in zip(r.seeds, r.seeds[1:], strict=False)))  # its rounds
         pooled.append(r.pooled)
         for n in range(case.min_seeds, case.max_seeds + 1) if fixed_too else ():
             fixed_rates.setdefault(n, []).append(fixed(y, ystar, n, case.eps))
@@ -163,14 +163,16 @@ def markdown(size: list[dict], equiv: list[dict], cost: list[dict], command: str
            "fixed-sample test after every round, stopping at the first star: what optional stopping does without "
            "a sequential correction.", "", "**Size under optional stopping** (no variant differs; no equivalence "
            "margin, so each comparison is looked at until max):", "",
-           "| variants | seed SD | spending | size | worst | family-wise | trainings |", "|---:|---:|---|---:|---:|---:|---:|"]
+           "| variants | seed SD | spending | size | worst | family-wise | trainings |",
+           "|---:|---:|---|---:|---:|---:|---:|"]
     for r in size:
         c, x = r["case"], r["rounds"]
         out.append(f"| {c['variants']} | {sd(c)} | {spend_name(c['spending'])} | {pct(x['size'])} | "
                    f"{pct(x['worst'])} | {pct(x['familywise'])} | {r['trainings']:.1f} |")
     out += ["", "**Equivalence declared wrongly** (every variant differs by exactly ±ε: 2 by +ε, 2 by −ε; per "
             "comparison, and studies with any):", "",
-            "| ε | seed SD | spending | equivalent, per comparison | any of 4 | trainings |", "|---:|---:|---|---:|---:|---:|"]
+            "| ε | seed SD | spending | equivalent, per comparison | any of 4 | trainings |",
+            "|---:|---:|---|---:|---:|---:|"]
     for r in equiv:
         c, x = r["case"], r["rounds"]
         out.append(f"| {c['eps']:g} | {sd(c)} | {spend_name(c['spending'])} | {pct(x['equivalent_wrongly'])} | "
