@@ -169,11 +169,16 @@ def parse_scale(raw: Any, src: str) -> tuple[tuple[Variant, ...], dict[str, floa
     return tuple(sizes), {key: float(value)}
 
 
-def parse_lr(raw: Any, base_lr: float, src: str) -> tuple[float, ...]:
+def parse_lr(raw: Any, base_lr: float, src: str) -> tuple[tuple[float, ...], bool]:
     """`lr: {values: [1e-3, 2e-3]}`, `{factors: [0.5, 1, 2]}` (times the recipe's optim.lr) or `{points: 3,
-    spread: 2}` (log-spaced: the recipe's LR times spread^k for k centred on 0, here 0.5, 1, 2)."""
-    _need(isinstance(raw, dict) and len(raw) in (1, 2), f"{src}: lr: expected {{values: [...]}}, {{factors: [...]}} "
-          f"or {{points: 3, spread: 2}}, got {raw!r}")
+    spread: 2}` (log-spaced: the recipe's LR times spread^k for k centred on 0, here 0.5, 1, 2); the LRs and
+    `extend_edges` (default false: one more LR beyond an edge that is best, ablate/edges.py)."""
+    _need(isinstance(raw, dict), f"{src}: lr: expected a mapping, got {raw!r}")
+    extend = raw.get("extend_edges", False)
+    _need(isinstance(extend, bool), f"{src}: lr.extend_edges must be true or false, got {extend!r}")
+    raw = {k: v for k, v in raw.items() if k != "extend_edges"}
+    _need(len(raw) in (1, 2), f"{src}: lr: expected {{values: [...]}}, {{factors: [...]}} "
+          f"or {{points: 3, spread: 2}} (and extend_edges: true), got {raw!r}")
     if "values" in raw or "factors" in raw:
         _need(len(raw) == 1, f"{src}: lr: give values: or factors:, alone")
         key = "values" if "values" in raw else "factors"
@@ -189,4 +194,4 @@ def parse_lr(raw: Any, base_lr: float, src: str) -> tuple[float, ...]:
         out = [base_lr * spread ** (k - (n - 1) / 2) for k in range(n)]
     out = sorted(float(f"{x:.6g}") for x in out)
     _need(len(set(out)) == len(out), f"{src}: lr: repeats a value: {out}")
-    return tuple(out)
+    return tuple(out), extend

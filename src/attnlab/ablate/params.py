@@ -7,6 +7,7 @@ from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from .edges import beyond
 from .factors import Variant
 from .spec import AblationSpec
 
@@ -23,7 +24,8 @@ def grid_params(spec: AblationSpec, variant: Variant) -> tuple[dict[str, Any], d
         elif key == "scale":
             params[key], dists[key] = name, CategoricalDistribution([v.name for v in spec.sizes])
         elif key == "optim.lr" and spec.lrs:
-            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(list(spec.lrs))
+            lrs = sorted({*spec.lrs, *beyond(spec).values()})  # with the LRs lr.extend_edges may add
+            params[key], dists[key] = variant.overrides[key], CategoricalDistribution(lrs)
         else:
             params[key], dists[key] = variant.overrides[key], CategoricalDistribution(spec.axes[key])
     return params, dists

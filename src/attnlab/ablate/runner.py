@@ -93,6 +93,7 @@ from .study import (
     OwnedLock,
     PointState,
     StudyHandle,
+    extension_points,
     point_states,
     prepare_study,
     status_counts,
@@ -213,7 +214,7 @@ def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
         busy = any(s.status in (RUNNING, STALE) for s in states.values())
         if h.spec.is_search:
             return _claim_search(h, states, grace_s), busy
-        for p in h.spec.points():
+        for p in h.spec.points() + extension_points(h, states):  # an lr: edge's extension (edges.py)
             s = states[p.point_id]
             if s.status != PENDING:
                 continue

@@ -119,6 +119,7 @@ class AblationSpec:
     sizes: tuple[Variant, ...] = ()  # the scale: ladder (factors.parse_scale)
     scale_budget: dict[str, float] = field(default_factory=dict)  # each size's training budget (budget.py)
     lrs: tuple[float, ...] = ()  # the learning rates searched for every variant and size (factors.parse_lr)
+    lr_extend: bool = False  # lr: {extend_edges: true}: one more LR beyond an edge that is best (edges.py)
 
     @property
     def is_search(self) -> bool:
@@ -333,7 +334,7 @@ def load_spec(path: str | Path) -> AblationSpec:
     _need(not (scale_budget and (steps or flops or time_min)),
           f"{src}: scale.budget gives each size its budget; remove budget: (or scale: its budget)")
     base_lr = coerce({**flatten(_base_raw(base)), **overrides}.get("optim.lr", 1.0), float)
-    lrs = parse_lr(raw["lr"], float(base_lr), src) if "lr" in raw else ()
+    lrs, lr_extend = parse_lr(raw["lr"], float(base_lr), src) if "lr" in raw else ((), False)
     sized = {k for v in sizes for k in v.overrides}
     clash = sorted(k for k in [*axes, *(k for v in variant_list for k in v.overrides)]
                    if k in sized or (lrs and k == "optim.lr"))
@@ -368,6 +369,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         variant_list=variant_list,
         distributions=dists, n_trials=n_trials if search else 0, search_seed=int(raw.get("search_seed", 0)),
         description=str(raw.get("description", "")), sizes=sizes, scale_budget=scale_budget, lrs=lrs,
+        lr_extend=lr_extend,
         baseline_name=None if raw.get("baseline") is None else str(raw["baseline"]),
     )
     spec.experiment({})  # the base itself, with the fixed overrides and budget, must load

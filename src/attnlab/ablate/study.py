@@ -28,8 +28,9 @@ from optuna.trial import FrozenTrial, TrialState
 from ..config import ConfigError, load_yaml
 from ..leftovers import owner, owner_alive, stamped
 from . import faults
+from .edges import lr_extensions, scaling_metric
 from .journal import WholeJournalFile
-from .spec import AblationSpec, load_spec
+from .spec import AblationSpec, Point, load_spec
 
 log = logging.getLogger("attnlab.ablate")
 
@@ -377,14 +378,37 @@ def point_states(h: StudyHandle, trials: list[FrozenTrial] | None = None, grace_
     if not h.spec.is_search:
         for p in h.spec.points():
             states[p.point_id] = PointState(p.point_id, p.variant.name, p.seed, PENDING)
+    others: dict[str, list[FrozenTrial]] = {}
     for t in sorted(trials, key=lambda t: t.number):
         pid = t.user_attrs.get("point_id")
         if pid is None or (pid not in states and not h.spec.is_search):
-            continue  # not a point of this file (an axis value since removed)
+            others.setdefault(pid, []).append(t)  # an lr: extension's point, or not a point of this file any more
+            continue
         if pid not in states:
             states[pid] = PointState(pid, str(t.user_attrs.get("variant")), int(t.user_attrs.get("seed", 0)), PENDING)
         states[pid].trials.append(t)
-    for s in states.values():
+    _set_status(h, states.values(), now, grace_s)
+    for p in extension_points(h, states):  # due once their cell's grid points have finished (edges.py)
+        states[p.point_id] = PointState(p.point_id, p.variant.name, p.seed, PENDING, others.get(p.point_id, []))
+        _set_status(h, [states[p.point_id]], now, grace_s)
+    return states
+
+
+def extension_points(h: StudyHandle, states: dict[str, PointState]) -> list[Point]:
+    """The points `lr: {extend_edges: true}` adds, given the grid's point states (edges.lr_extensions)."""
+    if not h.spec.lr_extend:
+        return []
+    metric, attrs = scaling_metric(h.spec), h.study.user_attrs
+
+    def finished(p: Point) -> tuple[bool, float | None]:
+        s = states[p.point_id]
+        return s.status in (DONE, INVALID, FAILED), trial_value(s.result, metric, attrs) if s.result else None
+
+    return lr_extensions(h.spec, finished)
+
+
+def _set_status(h: StudyHandle, states: Any, now: float, grace_s: float) -> None:
+    for s in states:
         kinds = [trial_status(t, now, grace_s) for t in s.trials]
         s.attempts = sum(k in ("error", "lost") for k in kinds)
         for status in (DONE, INVALID, RUNNING, STALE):
@@ -393,7 +417,6 @@ def point_states(h: StudyHandle, trials: list[FrozenTrial] | None = None, grace_
                 break
         else:
             s.status = FAILED if s.attempts > h.spec.retries else PENDING
-    return states
 
 
 def status_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int]:
