@@ -1,5 +1,5 @@
 """The `attnlab ablate` subcommands (added to the attnlab CLI): run, worker, submit, move, status, evaluate, table,
-plot, effects, scaling, compare, power."""
+plot, effects, scaling, compare, power, scaling-coverage."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from ..analysis.effects import effects_report
 from ..analysis.figures import plot
 from ..analysis.power import power_table
 from ..analysis.report import write_table
-from ..analysis.scaling_report import collect_curves, scaling_report, size_transfer
+from ..analysis.scaling_coverage import write_coverage
+from ..analysis.scaling_report import collect, scaling_report, size_transfer
+from ..analysis.scaling_stats import EMode
 from ..analysis.transfer import compare_studies
 from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit, stop_status, worker_signals
@@ -47,7 +49,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `ablate` subcommands to an argparse subparsers object (attnlab's CLI)."""
     ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, evaluate, table, "
-                                              "plot, effects, scaling, compare, power")
+                                              "plot, effects, scaling, compare, power, scaling-coverage")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -96,7 +98,13 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
         else:
             p.add_argument("--out", default=None, help="output directory (default: the study directory)")
         if name == "scaling":
-            p.add_argument("--resamples", type=int, default=200, help="bootstrap resamples of the seeds")
+            p.add_argument("--resamples", type=int, default=200,
+                           help="random draws of the seeds when there are more than 6 (up to 6: every multiset)")
+            p.add_argument("--e", choices=("free", "shared"), default="free",
+                           help="the irreducible loss E: fitted per variant (default) or one E shared by all")
+            p.add_argument("--e-prior", default=None, metavar="MEAN[:SD]",
+                           help="E held near MEAN (a Gaussian prior of sd SD; without SD, or SD 0, fixed at MEAN); "
+                                "every figure that depends on it is labelled")
         if name == "effects":
             p.add_argument("--pair", nargs=2, default=None, metavar=("A", "B"),
                            help="the two factors of the interaction (default: the first two)")
@@ -113,6 +121,11 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                               "largest sizes")
     compare.add_argument("--dirs", nargs="+", default=None, metavar="DIR",
                          help="their study directories when they are not the default (one per study)")
+    coverage = sub.add_parser("scaling-coverage", help="synthetic studies with known laws through ablate scaling's "
+                                                       "statistics: how often each interval holds (docs/scaling.md)")
+    for flag, default, text in (("--studies", 400, "simulated studies per regime and truth"),
+                                ("--out", "docs/scaling_coverage.md", "the table (and the raw numbers as .json)")):
+        coverage.add_argument(flag, type=type(default), default=default, help=text)
     return ab
 
 
@@ -169,6 +182,9 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"{h.spec.name}: {len(h.study.get_trials(deepcopy=False))} trial(s) copied to {h.url}, now recorded "
               f"in {h.dir / 'study.yaml'}")
         return 0
+    if sub == "scaling-coverage":  # the table, then what it wrote
+        print(write_coverage(args.studies, Path(args.out), f"attnlab ablate scaling-coverage --studies {args.studies}"))
+        return 0
     if sub == "power":
         command = f"attnlab ablate power --studies {args.studies}"
         print(power_table(args.studies, Path(args.out), command))
@@ -184,8 +200,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
                 raise ConfigError(f"ablate compare {args.study_a}: one study is compared across its sizes, which "
                                   f"needs a scale: ladder ({h.spec.name} has none); give a second study to compare "
                                   "it with: ablate compare A B")
-            curves, _, sizes, _ = collect_curves(h)
-            print(size_transfer(h, curves, sizes))
+            print(size_transfer(h, collect(h)))
             return 0
         print(compare_studies(open_study(args.study_a, None, dirs[0]), open_study(args.study_b, None, dirs[1])))
         return 0
@@ -212,7 +227,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"written: {', '.join(str(p) for p in paths)}")
         return 0
     if sub == "scaling":
-        text, paths = scaling_report(h, out, args.resamples)
+        text, paths = scaling_report(h, out, args.resamples, e_mode(args))
         print(text)
         print(f"\nwritten: {', '.join(str(p) for p in paths)}")
         return 0
@@ -222,3 +237,19 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"\nwritten: {', '.join(str(p) for p in paths)}")
         return 0
     raise ConfigError(f"unknown ablate command {sub!r}")
+
+
+def e_mode(args: argparse.Namespace) -> EMode:
+    """`ablate scaling`'s --e and --e-prior as the fit's EMode (scaling_stats.py)."""
+    if args.e_prior is None:
+        return EMode(args.e)
+    if args.e != "free":
+        raise ConfigError("ablate scaling: give --e shared or --e-prior, not both")
+    mean, _, sd = args.e_prior.partition(":")
+    try:
+        mode = EMode("prior", float(mean), float(sd or 0))
+    except ValueError:
+        raise ConfigError(f"--e-prior {args.e_prior!r}: expected MEAN or MEAN:SD, e.g. 1.5:0.2") from None
+    if mode.mean <= 0 or mode.sd < 0:
+        raise ConfigError(f"--e-prior {args.e_prior!r}: the mean must be > 0 and the sd >= 0")
+    return mode

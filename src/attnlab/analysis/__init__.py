@@ -15,5 +15,8 @@ a study; this package reads it through ablate.study and ablate.spec and never im
     power.py           size and power of the table's test by simulation (`ablate power`)
     stats.py           Welch's t-test (the former table's) and a mean's t interval
     figures.py         curves.png, metric.png
-    scaling.py         power-law fits of loss against compute; scaling_report.py: `ablate scaling`
+    scaling.py         power-law fits of loss against compute, many at once (Hoffmann et al.'s starts), seed draws
+    scaling_stats.py   what `ablate scaling` concludes: per-size losses, fits, held-out check, crossings, intervals
+    scaling_report.py  `ablate scaling`'s text, CSV, LaTeX (scaling_plot.py: its figure)
+    scaling_coverage.py  synthetic studies through scaling_stats: how often its intervals hold
 """

@@ -1,71 +1,58 @@
-"""`attnlab ablate scaling STUDY`: does the winner stay the winner as models grow? For a study with a `scale:`
-ladder (and usually an `lr:` search), each variant's final validation loss against its training compute
-(FLOPs per token x tokens trained, by the accounting), fitted as a power law (scaling.py), with intervals over
-seeds, extrapolated to 10x and 100x the largest run, and the compute at which two variants' curves cross.
+"""`attnlab ablate scaling STUDY`: does the winner stay the winner as models grow? For a study with a `scale:` ladder
+(and usually an `lr:` search): each variant's final validation loss at each size, at its best learning rate, with
+intervals over seeds; where a variant has >= 4 sizes and its fit identifies E, the power law L(C) = E + A C^-alpha
+in training compute (FLOPs per token x tokens trained, by the accounting), alpha, E, the loss at 10x and 100x the
+largest run and where two variants cross, always beside the held-out check of the largest size (scaling_stats.py
+says how each figure is made).
 
-Each (variant, size) is taken at its own best learning rate: the one with the lowest mean final validation loss
-over its seeds (never the test split), flagged when it lies at the edge of the searched range (the optimum may
-lie beyond it). A point that did not finish leaves a hole: it is listed, and the fit uses the points there are.
-Narang et al. 2021 and Tay et al. 2022 ("Scaling Laws vs Model Architectures") are why: a modification that wins
-small, at one learning rate, often does not win large.
+A point that did not finish leaves a hole: it is listed, and the fit uses the points there are. Narang et al. 2021
+and Tay et al. 2022 ("Scaling Laws vs Model Architectures") are why: a modification that wins small, at one
+learning rate, often does not win large.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
+from ..ablate.edges import candidates, scaling_metric
 from ..ablate.study import DONE, StudyHandle, point_states, trial_value
 from .ranks import correlation_text, rank_correlation, rank_intervals, withheld
 from .report import latex_escape
-from .scaling import PowerLaw, crossing, fit_power_law, resample_seeds, seed_interval
+from .scaling_plot import plot_scaling
+from .scaling_stats import (
+    EXTRAPOLATE_FROM,
+    MULTIPLES,
+    RELIABLE_SHARE,
+    EMode,
+    Estimate,
+    ScalingData,
+    ScalingResult,
+    ScalingStudy,
+    analyse,
+)
 
-Points = dict[int, tuple[float, float]]  # seed -> (training FLOPs, final validation loss)
-RESAMPLES = 200
-
-
-@dataclass
-class Curve:
-    """One variant over the ladder: its points at each size's best LR, the fit and its resampled fits."""
-
-    name: str
-    best_lr: dict[str, float] = field(default_factory=dict)  # size -> chosen LR
-    edge: dict[str, bool] = field(default_factory=dict)  # size -> the chosen LR is the smallest or largest tried
-    lr_losses: dict[str, dict[float, float]] = field(default_factory=dict)  # size -> LR -> mean loss over seeds
-    points: dict[str, Points] = field(default_factory=dict)  # size -> its points at the best LR
-    fit: PowerLaw | None = None
-    resampled: list[PowerLaw | None] = field(default_factory=list)
-
-    def arrays(self, seeds: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(compute, loss) of every point, or of the drawn `seeds` (a seed drawn twice counts twice)."""
-        pts = [p[s] for p in self.points.values() for s in (seeds if seeds is not None else sorted(p)) if s in p]
-        return np.array([c for c, _ in pts]), np.array([v for _, v in pts])
+RESAMPLES = 200  # random draws of the seeds where there are more than scaling.EXACT_SEEDS
 
 
-def metric_of(h: StudyHandle) -> str:
-    return "final/valid_loss" if h.spec.final_eval else "val/loss"
-
-
-def collect_curves(h: StudyHandle) -> tuple[dict[str, Curve], list[str], list[str], list[int]]:
-    """Every variant's curve, the holes (points not finished), the sizes in ladder order and the seeds that have
-    a point in some curve (not the file's seeds: one that never finished is not resampled or counted)."""
+def collect(h: StudyHandle) -> ScalingStudy:
+    """Every finished trial's validation loss by (variant, size, LR, seed), its compute and parameters; the holes
+    (points not finished). Trials of an lr.extend_edges extension count as any other LR of their cell."""
     spec = h.spec
     if not spec.sizes:
         raise ValueError(f"{spec.name}: no scale: ladder; `ablate scaling` fits curves over model sizes")
-    by_key = {v.key: v for v in spec.variants()}
-    metric, attrs = metric_of(h), h.study.user_attrs
-    cells: dict[str, dict[str, dict[float, Points]]] = {}
+    by_key = {v.key: v for v in [*spec.variants(), *candidates(spec)]}
+    metric, attrs = scaling_metric(spec), h.study.user_attrs
+    cells: dict[tuple[str, str, float, int], tuple[float, float, float]] = {}
     holes = []
     for s in point_states(h).values():
         t = s.result
         value = trial_value(t, metric, attrs) if t is not None and s.status == DONE else None
         flops, tokens = (t.user_attrs.get("flops_per_token"), t.user_attrs.get("tokens")) if t else (None, None)
-        if value is None or not flops or not tokens:
+        if value is None or not flops or not tokens or t.user_attrs.get("variant_key") not in by_key:
             holes.append(f"{s.variant} (seed {s.seed}): {s.status}" + ("" if t is None or value is not None else
                                                                       f", without {metric}"))
             continue
@@ -75,167 +62,244 @@ def collect_curves(h: StudyHandle) -> tuple[dict[str, Curve], list[str], list[st
         config = t.user_attrs.get("config") or {}
         lr = float(lr) if lr is not None else float((config.get("optim") or {}).get("lr", 0))
         name = " ".join(f"{k.split('.')[-1]}={v}" if k != "variant" else v for k, v in levels.items()) or "base"
-        cells.setdefault(name, {}).setdefault(size, {}).setdefault(lr, {})[s.seed] = (flops * tokens, value)
-    curves = {}
-    for name, by_size in cells.items():
-        c = Curve(name)
-        for size in [v.name for v in spec.sizes if v.name in by_size]:
-            means = {lr: float(np.mean([v for _, v in pts.values()])) for lr, pts in by_size[size].items()}
-            best = min(means, key=means.get)
-            c.best_lr[size], c.lr_losses[size], c.points[size] = best, means, by_size[size][best]
-            c.edge[size] = len(spec.lrs) >= 2 and best in (min(spec.lrs), max(spec.lrs))
-        curves[name] = c
-    # the seeds with a point in some curve: a seed with no finished trial has nothing to resample, and counting it
-    # in n (scaling.seed_interval) would narrow every interval
-    seeds = sorted({s for c in curves.values() for points in c.points.values() for s in points})
-    return curves, holes, [v.name for v in spec.sizes], seeds
+        cells[(name, size, lr, s.seed)] = (flops * tokens, value, float(t.user_attrs.get("n_params") or math.nan))
+    if not cells:
+        raise ValueError(f"{spec.name}: no finished trials with {metric} yet")
+    variants = list(dict.fromkeys(k[0] for k in cells))
+    sizes = [v.name for v in spec.sizes if any(k[1] == v.name for k in cells)]
+    lrs = sorted({k[2] for k in cells})
+    seeds = sorted({k[3] for k in cells})
+    loss = np.full((1, len(variants), len(sizes), len(lrs), len(seeds)), np.nan)
+    compute = np.full((len(variants), len(sizes)), np.nan)
+    params = np.full((len(variants), len(sizes)), np.nan)
+    for (name, size, lr, seed), (c, value, n) in cells.items():
+        i, j = variants.index(name), sizes.index(size)
+        loss[0, i, j, lrs.index(lr), seeds.index(seed)] = value
+        compute[i, j], params[i, j] = c, n  # the same for every LR and seed of a (variant, size)
+    data = ScalingData(loss, compute, np.array(lrs), tuple(spec.lrs))
+    return ScalingStudy(spec.name, metric, variants, sizes, seeds, data, params, holes)
 
 
-def fit_curves(curves: dict[str, Curve], seeds: list[int], resamples: int = RESAMPLES, seed: int = 0) -> None:
-    """Fit each curve and refit it on `resamples` draws of the seeds, the same draws for every curve (so two
-    curves' crossing is resampled as a pair)."""
-    draws = resample_seeds(seeds, resamples, seed)
-    for c in curves.values():
-        compute, loss = c.arrays()
-        if len(np.unique(compute)) < 2:
-            continue  # fewer than 2 sizes finished: nothing to fit
-        c.fit = fit_power_law(compute, loss)
-        three = c.fit.form.startswith("E")
-        c.resampled = []
-        for draw in draws:
-            rc, rl = c.arrays(draw)
-            ok = len(np.unique(rc)) >= (4 if three else 2)
-            c.resampled.append(fit_power_law(rc, rl, three, near=c.fit) if ok else None)
+# ---------------------------------------------------------------------------------------------- text
+def ci(e: Estimate, idx: tuple, fmt: str = ".4g", scale: float = 1.0) -> str:
+    est, lo, hi = (float(x[idx]) * scale for x in (e.est, e.lo, e.hi))
+    if not math.isfinite(est):
+        return ""
+    return f"{est:{fmt}}" + ("" if not math.isfinite(lo) else f" [{lo:{fmt}}, {hi:{fmt}}]")
 
 
-def interval(estimate: float, values: list[float | None], n: int) -> str:
-    low, high = seed_interval(estimate, values, n)
-    return f"{estimate:.4g}" + ("" if math.isnan(low) else f" [{low:.4g}, {high:.4g}]")
+def flags(r: ScalingResult, v: int) -> list[str]:
+    """The labels every figure derived from variant v's fit carries."""
+    out = ["edge"] if r.edge[0, v].any() else []
+    if r.failed[0, v]:
+        out.append("unreliable")
+    if r.e_mode.label:
+        out.append(r.e_mode.label)
+    return out
 
 
-def scaling_report(h: StudyHandle, out_dir: Path | None = None, resamples: int = RESAMPLES
-                   ) -> tuple[str, list[Path]]:
+def tagged(text: str, labels: list[str]) -> str:
+    return text + (f" ({', '.join(labels)})" if text and labels else "")
+
+
+def why_not(st: ScalingStudy, r: ScalingResult, v: int) -> str:
+    """Why variant v has no extrapolation (alpha, E, L at kx, crossings), or ""."""
+    if not r.fitted[0, v]:
+        return (f"{int(r.sizes[0, v])} size(s) with a result: a fit needs >= {EXTRAPOLATE_FROM} (with 3, its "
+                f"three parameters pass through three means, and E = 0 extrapolates too low)")
+    if not r.identified[0, v]:
+        return ("the fit puts E at 0: these sizes do not bend towards an irreducible loss, so E is not identified and "
+                "a pure power law would extrapolate too low (larger sizes, or --e shared / --e-prior)")
+    return ""
+
+
+def size_rows(st: ScalingStudy, r: ScalingResult) -> tuple[list[str], list[list[str]]]:
+    """The per-size comparison: each size's best-LR loss per variant (at which LR) and the difference from the first
+    variant."""
+    head = ["size", "params", *st.variants] + [f"{b} - {st.variants[0]}" for b in st.variants[1:]]
+    rows = []
+    for k, size in enumerate(st.sizes):
+        p = st.params[:, k]
+        p = p[np.isfinite(p)]
+        row = [size, "" if not len(p) else "/".join(f"{x / 1e3:.0f}K" for x in dict.fromkeys(p))]
+        for v in range(len(st.variants)):
+            b = int(r.best_lr[0, v, k])
+            notes_ = [x for x, on in (("edge", r.edge[0, v, k]), ("extended", r.extended[0, v, k])) if on]
+            row.append("" if b < 0 else tagged(f"{ci(r.size_loss, (0, v, k))} at LR {st.data.lrs[b]:.3g}", notes_))
+        row += [ci(r.size_diff, (0, v, k), "+.3g") for v in range(1, len(st.variants))]
+        rows.append(row)
+    return head, rows
+
+
+def fit_rows(st: ScalingStudy, r: ScalingResult) -> tuple[list[str], list[list[str]]]:
+    """The fit of each variant with >= EXTRAPOLATE_FROM sizes and its held-out check."""
+    head = ["variant", "alpha", "E", *[f"L at {m}x" for m in MULTIPLES], "held-out size: predicted", "measured",
+            "error %", "check"]
+    rows = []
+    for v, name in enumerate(st.variants):
+        if not r.fitted[0, v]:
+            continue
+        labels = flags(r, v)
+        e = ci(r.e, (0, v)) if r.e_mode.kind != "prior" or r.e_mode.sd else f"{r.e_mode.mean:g} (fixed)"
+        why = why_not(st, r, v)
+        cells = [f"withheld: {why}", "", *[""] * len(MULTIPLES)] if why else [
+            tagged(ci(r.alpha, (0, v)), labels), tagged(e, labels),
+            *[tagged(ci(r.at[m], (0, v)), labels) for m in MULTIPLES]]
+        check = "FAILED: the error's interval excludes 0" if r.failed[0, v] else "passed: its interval holds 0"
+        held = [tagged(ci(r.heldout_pred, (0, v)), [r.e_mode.label] if r.e_mode.label else []),
+                ci(r.heldout_meas, (0, v)), ci(r.heldout_err, (0, v), "+.2f"), check]
+        rows.append([name, *cells, *held])
+    return head, rows
+
+
+def crossing_lines(st: ScalingStudy, r: ScalingResult) -> list[tuple[str, str, float, dict]]:
+    """(pair, text, crossing compute or NaN, CSV fields) for each pair of variants."""
+    out = []
+    rng = f"[{r.c_min:.3g}, {100 * r.c_max:.3g}]"
+    for p, (i, j) in enumerate(r.pairs):
+        pair = f"{st.variants[i]} vs {st.variants[j]}"
+        share = float(r.cross_share[0, p])
+        est, lo, hi = (float(x[0, p]) for x in (r.cross.est, r.cross.lo, r.cross.hi))
+        labels = list(dict.fromkeys(flags(r, i) + flags(r, j)))
+        fields = {"share": share, **{k: 10 ** x if math.isfinite(x) else math.nan
+                                     for k, x in (("estimate", est), ("low", lo), ("high", hi))}}
+        if math.isnan(share):
+            text, at = "no crossing given: it needs both variants' fits with E identified", math.nan
+        elif math.isfinite(est) and share >= RELIABLE_SHARE:
+            interval = "" if not math.isfinite(lo) else f" [{10 ** lo:.3g}, {10 ** hi:.3g}]"
+            text, at = tagged(f"cross at C = {10 ** est:.3g}{interval} ({share:.0%} of draws cross in {rng})",
+                              labels), 10 ** est
+        else:
+            where = f"the full data cross at {10 ** est:.3g}; " if math.isfinite(est) else ""
+            text, at = f"no reliable crossing ({where}{share:.0%} of draws cross in {rng}, < {RELIABLE_SHARE:.0%})", \
+                math.nan
+        out.append((pair, text, at, fields))
+    return out
+
+
+def scaling_report(h: StudyHandle, out_dir: Path | None = None, resamples: int = RESAMPLES,
+                   mode: EMode | None = None) -> tuple[str, list[Path]]:
     """The text printed, and scaling.md, scaling.csv, scaling.tex and scaling.png in out_dir (default: the
     study's directory)."""
-    curves, holes, sizes, seeds = collect_curves(h)
-    if not curves:
-        raise ValueError(f"{h.spec.name}: no finished trials with {metric_of(h)} yet")
-    fit_curves(curves, seeds, resamples, h.spec.significance["seed"])
-    fitted = [c for c in curves.values() if c.fit is not None]
-    c_max = max(cc for c in fitted for cc in c.arrays()[0]) if fitted else math.nan
-    c_min = min(cc for c in fitted for cc in c.arrays()[0]) if fitted else math.nan
-    n = len(seeds)
-    rows, lines = [], [f"{h.spec.name}: {metric_of(h)} against training compute C (FLOPs), each (variant, size) at "
-                       f"its best learning rate on the validation split; 95% CIs over {n} seeds "
-                       f"({resamples} resamples; scaling.seed_interval)"]
-    if holes:
-        lines.append(f"holes ({len(holes)}), fitted without: " + "; ".join(holes))
-    for c in curves.values():
-        lrs = ", ".join(f"{s}: {c.best_lr[s]:.3g}" + (" (edge)" if c.edge[s] else "") for s in c.best_lr)
-        row = {"variant": c.name, "best_lr": lrs}
-        if c.fit is None:
-            row.update(fit="too few sizes finished")
-        else:
-            f, r = c.fit, c.resampled
-            row.update(fit=f"L = {f.form}".replace("E + A", "E + A"),
-                       alpha=interval(f.alpha, [x.alpha if x else None for x in r], n),
-                       E=interval(f.e, [x.e if x else None for x in r], n) if f.form.startswith("E") else
-                       "0 (2-parameter form)",
-                       L10=interval(float(f(10 * c_max)), [float(x(10 * c_max)) if x else None for x in r], n),
-                       L100=interval(float(f(100 * c_max)), [float(x(100 * c_max)) if x else None for x in r], n))
-        rows.append(row)
-    head = ["variant", "fit", "alpha", "E", "L at 10x", "L at 100x", "best LR per size"]
-    keys = ["variant", "fit", "alpha", "E", "L10", "L100", "best_lr"]
-    md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    lines += ["", *md, "", f"largest run: C = {c_max:.3g} FLOPs; (edge): the best LR is the smallest or largest "
-              "searched, so the optimum may lie outside the range",
-              "2-parameter form L = A C^-alpha where fewer than 4 sizes finished (3 parameters would interpolate)"]
-    pairs = []
-    names = [c.name for c in fitted]
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            fa, fb = curves[a], curves[b]
-            at = crossing(fa.fit, fb.fit, c_min, 100 * c_max)
-            resampled = [crossing(x, y, c_min, 100 * c_max) if x and y else None
-                         for x, y in zip(fa.resampled, fb.resampled, strict=True)]
-            share = sum(r is not None for r in resampled) / max(1, len(resampled))
-            if at is None:
-                text = f"no crossing in range [{c_min:.3g}, {100 * c_max:.3g}] ({share:.0%} of resamples cross)"
-            else:
-                logs = [math.log10(r) if r else None for r in resampled]
-                low, high = seed_interval(math.log10(at), logs, n)
-                ci = "" if math.isnan(low) else f" [{10 ** low:.3g}, {10 ** high:.3g}]"
-                text = f"C = {at:.3g}{ci} ({share:.0%} of resamples cross in range)"
-            pairs.append((a, b, at, text))
-            lines.append(f"{a} vs {b}: {text}")
-    lines.append("\n" + size_transfer(h, curves, sizes))
+    mode = mode or EMode()
+    st = collect(h)
+    r = analyse(st.data, mode, resamples, h.spec.significance["seed"])
+    n = len(st.seeds)
+    draws = (f"every one of the {r.n_draws} multisets of the {n} seeds" if r.exact else f"{r.n_draws} resamples "
+             "of the seeds")
+    p = st.params[np.isfinite(st.params)]
+    lines = [f"{st.name}: {st.metric} against training compute C (FLOPs), each (variant, size) at its best learning "
+             f"rate; {len(st.sizes)} sizes ({p.min():,.0f} to {p.max():,.0f} parameters by count_parameters), "
+             f"{n} seed(s); 95% CIs: the full data's estimate ± t x SE over {draws}, the best LR re-picked in each"]
+    if mode.label:
+        lines.append(f"{mode.label}: every figure that depends on E (alpha, E, L at kx, held-out, crossings) is "
+                     f"labelled with it")
+    if st.holes:
+        lines.append(f"holes ({len(st.holes)}), fitted without: " + "; ".join(st.holes))
+    s_head, s_rows = size_rows(st, r)
+    f_head, f_rows = fit_rows(st, r)
+    md_size = markdown(s_head, s_rows)
+    md_fit = markdown(f_head, f_rows)
+    lines += ["", "Per size (best-LR loss [95% CI] at its LR; the difference from the first variant):", "", *md_size,
+              ""]
+    if f_rows:
+        lines += [f"Fit L = E + A C^-alpha (largest run: C = {r.c_max:.3g} FLOPs) and the held-out check (each "
+                  "variant refitted without its largest size, predicting it):", "", *md_fit, ""]
+    lines += [f"{name}: no fit: {why_not(st, r, v)}" for v, name in enumerate(st.variants) if not r.fitted[0, v]]
+    crosses = crossing_lines(st, r)
+    lines += [f"{pair}: {text}" for pair, text, _, _ in crosses]
+    lines += notes(st, r)
+    lines.append("\n" + size_transfer(h, st, r))
     out_dir = Path(out_dir or h.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"scaling.{x}" for x in ("md", "csv", "tex", "png")]
-    paths[0].write_text("\n".join(md) + "\n", encoding="utf-8")
-    with open(paths[1], "w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(["kind", *keys, "crossing_compute"])
-        w.writerows(["variant", *[r.get(k, "") for k in keys], ""] for r in rows)
-        w.writerows(["crossing", f"{a} vs {b}", text, "", "", "", "", "", "" if at is None else at]
-                    for a, b, at, text in pairs)
+    paths[0].write_text("\n".join([*md_size, "", *(md_fit if f_rows else []), "",
+                                   *[f"{a}: {b}" for a, b, _, _ in crosses]]) + "\n", encoding="utf-8")
+    write_csv(paths[1], st, r, crosses)
+    head, rows = (f_head, f_rows) if f_rows else (s_head, s_rows)  # the fit's table, else the per-size one
     tex = [r"\begin{tabular}{l" + "l" * (len(head) - 1) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
-    tex += [" & ".join(latex_escape(str(r.get(k, ""))) for k in keys) + r" \\" for r in rows]
+    tex += [" & ".join(latex_escape(c) for c in row) + r" \\" for row in rows]
     paths[2].write_text("\n".join([*tex, r"\bottomrule", r"\end{tabular}"]) + "\n", encoding="utf-8")
-    plot_scaling(paths[3], h, curves, c_min, c_max, n)
+    plot_scaling(paths[3], st, r)
     return "\n".join(lines), paths
 
 
-def size_transfer(h: StudyHandle, curves: dict[str, Curve], sizes: list[str]) -> str:
+def markdown(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def notes(st: ScalingStudy, r: ScalingResult) -> list[str]:
+    out = ["", "(edge): the best LR is the smallest or largest the cell tried, so the optimum may lie outside the "
+               "range and the loss is an upper bound; every figure from that variant's fit carries the flag"]
+    if r.extended[0].any():
+        out.append("(extended): lr.extend_edges added one LR a factor step beyond the grid's edge for that size")
+    if r.failed[0].any():
+        out.append("(unreliable): the held-out check failed (its error's interval excludes 0): alpha, L at kx and "
+                   "crossings of that variant are extrapolations the data contradict (Besiroglu et al. 2024)")
+    if r.fitted[0].any() and not r.failed[0][r.fitted[0]].any():
+        out.append("held-out check passed: refitted without the largest size, each fit predicts it within its "
+                   "interval; this supports interpolation and one size step beyond, and nothing about 100x")
+    return out
+
+
+def write_csv(path: Path, st: ScalingStudy, r: ScalingResult, crosses: list) -> None:
+    """Long format: kind, variant (or pair), size, quantity, estimate, low, high, flags, note."""
+    rows = []
+    for v, name in enumerate(st.variants):
+        for k, size in enumerate(st.sizes):
+            b = int(r.best_lr[0, v, k])
+            if b < 0:
+                continue
+            notes_ = ";".join(x for x, on in (("edge", r.edge[0, v, k]), ("extended", r.extended[0, v, k])) if on)
+            rows.append(["size", name, size, "loss", *_num(r.size_loss, (0, v, k)), notes_,
+                         f"lr={st.data.lrs[b]:g}; params={st.params[v, k]:.0f}; compute={st.data.compute[v, k]:.4g}"])
+            if v:
+                rows.append(["size", name, size, f"minus {st.variants[0]}", *_num(r.size_diff, (0, v, k)), "", ""])
+        why = why_not(st, r, v)
+        labels = ";".join(flags(r, v))
+        if why:
+            rows.append(["fit", name, "", "withheld", "", "", "", "", why])
+        else:
+            for q, e in [("alpha", r.alpha), ("E", r.e), *[(f"L at {m}x", r.at[m]) for m in MULTIPLES]]:
+                rows.append(["fit", name, "", q, *_num(e, (0, v)), labels, ""])
+        if r.fitted[0, v]:
+            check = "failed" if r.failed[0, v] else "passed"
+            for q, e in (("predicted", r.heldout_pred), ("measured", r.heldout_meas), ("error %", r.heldout_err)):
+                rows.append(["heldout", name, st.sizes[int(np.nonzero(np.isfinite(r.size_loss.est[0, v]))[0][-1])],
+                             q, *_num(e, (0, v)), check, ""])
+    for pair, text, _, fields in crosses:
+        rows.append(["crossing", pair, "", "compute", *(f"{fields[x]:.6g}" if math.isfinite(fields[x]) else ""
+                                                         for x in ("estimate", "low", "high")),
+                     f"share={fields['share']:.3f}" if math.isfinite(fields["share"]) else "", text])
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["kind", "variant", "size", "quantity", "estimate", "low", "high", "flags", "note"])
+        w.writerows(rows)
+
+
+def _num(e: Estimate, idx: tuple) -> list[str]:
+    return [f"{float(x[idx]):.6g}" if math.isfinite(float(x[idx])) else "" for x in (e.est, e.lo, e.hi)]
+
+
+def size_transfer(h: StudyHandle, st: ScalingStudy, r: ScalingResult | None = None) -> str:
     """The rank correlation of the variants between the smallest and the largest size of the ladder (each at
     its best LR), as `ablate compare` gives it between two studies."""
-    small, large = sizes[0], sizes[-1]
-    names = [c.name for c in curves.values() if small in c.points and large in c.points]
+    small, large = st.sizes[0], st.sizes[-1]
+    loss = st.data.loss[0]  # (V, K, R, N)
+    have = np.isfinite(loss)
+    means = np.where(have.any(-1), np.where(have, loss, 0).sum(-1) / np.maximum(have.sum(-1), 1), np.inf)
+    best = np.argmin(means, -1)  # (V, K) each size's best LR (a variant's seeds' mean)
+    at = np.take_along_axis(loss, best[..., None, None], 2)[:, :, 0]  # (V, K, N)
+    ok = np.isfinite(at).any(-1)  # (V, K)
+    names = [i for i in range(len(st.variants)) if ok[i, 0] and ok[i, -1]]
     head = f"transfer from the smallest size ({small}) to the largest ({large}): {len(names)} variant(s) at both"
     if len(names) < 3:
         return head + ": too few for a rank correlation"
-    seeds = sorted({s for n in names for size in (small, large) for s in curves[n].points[size]})
-
-    def matrix(size: str) -> np.ndarray:  # (variants, seeds), -loss: higher is better
-        return np.array([[-curves[n].points[size].get(s, (0, math.nan))[1] for s in seeds] for n in names])
-
-    a, b = matrix(small), matrix(large)
-    r = rank_correlation(np.nanmean(a, 1), np.nanmean(b, 1))
-    why = withheld({f"size {small} and {large}": len(seeds)})
-    ci = None if why else rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
-    stat = {k: correlation_text(r, ci, k) for k in ("tau", "rho")}
-    p = r["why"] or f"p = {r['tau_p']:.3g} (tau), {r['rho_p']:.3g} (rho); {r['p_method']}"
-    return (f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {r['n']}: {p}" +
+    a, b = -at[names, 0], -at[names, -1]  # (variants, seeds), -loss: higher is better
+    rc = rank_correlation(np.nanmean(a, 1), np.nanmean(b, 1))
+    why = withheld({f"size {small} and {large}": len(st.seeds)})
+    interval = None if why else rank_intervals(a, b, RESAMPLES, h.spec.significance["seed"])
+    stat = {k: correlation_text(rc, interval, k) for k in ("tau", "rho")}
+    p = rc["why"] or f"p = {rc['tau_p']:.3g} (tau), {rc['rho_p']:.3g} (rho); {rc['p_method']}"
+    return (f"{head}: Kendall's tau = {stat['tau']}, Spearman's rho = {stat['rho']}, n = {rc['n']}: {p}" +
             (f"; no CI: {why}" if why else ""))
-
-
-def plot_scaling(path: Path, h: StudyHandle, curves: dict[str, Curve], c_min: float, c_max: float,
-                 n_seeds: int) -> None:
-    """Log-log: each variant's points (every seed, at each size's best LR), its fit over [C_min, 100 C_max] and
-    its 95% band, pointwise as the table's intervals are made (scaling.seed_interval over the resampled fits)."""
-    fig = Figure(figsize=(6.4, 4.4))
-    ax = fig.subplots()
-    grid = np.geomspace(c_min, 100 * c_max, 200) if np.isfinite(c_max) else np.array([])
-    for i, c in enumerate(curves.values()):
-        color = f"C{i}"
-        compute, loss = c.arrays()
-        ax.scatter(compute, loss, s=14, color=color, label=c.name)
-        if c.fit is not None:
-            ax.plot(grid, c.fit(grid), color=color, lw=1.4)
-            preds = np.array([x(grid) for x in c.resampled if x is not None])  # (resamples, points)
-            if len(preds) >= 2 and n_seeds >= 2:
-                fit = c.fit(grid)
-                bounds = np.array([seed_interval(float(f), list(col), n_seeds) for f, col in zip(fit, preds.T,
-                                                                                                 strict=True)])
-                ax.fill_between(grid, bounds[:, 0], bounds[:, 1], color=color, alpha=0.15, lw=0)
-    if np.isfinite(c_max):
-        ax.axvline(c_max, color="grey", lw=0.8, ls=":")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel(metric_of(h))
-    ax.set_title(f"{h.spec.name}: fits and extrapolation to 100x (95% bands over seeds)", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
