@@ -30,7 +30,7 @@ TRUTHS = {
     "inside": (((2.0, 3.0 * 1e11 ** 0.27, 0.27), (2.3, 3.0 * 1e11 ** 0.40, 0.40)), (3e-3, 4e-3)),
     "beyond": (((2.0, 3.0 * 1e11 ** 0.27, 0.27), (1.5, 3.8 * 1e11 ** 0.22, 0.22)), (3e-3, 4e-3)),
 }
-REGIMES = ((3, 2), (4, 2), (5, 2), (5, 3))  # (sizes, seeds)
+REGIMES = ((3, 2, NOISE), (4, 2, NOISE), (5, 2, NOISE), (5, 3, NOISE), (4, 2, 2 * NOISE), (5, 3, 2 * NOISE))
 
 
 def law(p: tuple[float, float, float], c: np.ndarray | float) -> np.ndarray:
@@ -72,23 +72,26 @@ def simulate(truth: str, sizes: int, seeds: int, studies: int, rng: np.random.Ge
 
 
 def coverage(res: ScalingResult, truth: str, data: ScalingData) -> dict[str, tuple[float, float, int]]:
-    """Each printed quantity -> (share of (study, variant) cells where it is printed, coverage among them, count)."""
+    """Each printed quantity -> (share of the cells it could be printed in where it is: (study, variant), (study,
+    variant, size) or (study, pair); coverage among the printed; how many are printed)."""
     laws = effective(truth)
     c = data.compute
     true_size = np.stack([law(p, c[i]) for i, p in enumerate(laws)])  # (V, K)
     gated = res.fitted & res.identified  # (S, V): alpha, E, L at kx and crossings are given
     out = {}
 
-    def add(name: str, e, truth_value, printed) -> None:
-        printed = printed & np.isfinite(e.lo)
+    def add(name: str, e, truth_value, printed, of=None) -> None:
+        of = np.broadcast_to(True, e.est.shape) if of is None else np.broadcast_to(of, e.est.shape)
+        printed = printed & np.isfinite(e.lo) & of
         hit = (e.lo <= truth_value) & (truth_value <= e.hi)
         n = int(printed.sum())
-        out[name] = (float(printed.mean()), float(hit[printed].mean()) if n else math.nan, n)
+        out[name] = (float(printed.sum() / of.sum()), float(hit[printed].mean()) if n else math.nan, n)
 
     full = np.broadcast_to(True, res.size_loss.est.shape) & np.isfinite(res.size_loss.est)
     add("loss per size", res.size_loss, true_size[None], full)
     diff = true_size - true_size[:1]
-    add("difference per size", res.size_diff, diff[None], full & (np.arange(len(laws)) > 0)[None, :, None])
+    second = (np.arange(len(laws)) > 0)[None, :, None]  # the first variant's difference from itself is not printed
+    add("difference per size", res.size_diff, diff[None], full, of=second)
     add("alpha", res.alpha, np.array([p[2] for p in laws])[None], gated)
     add("E", res.e, np.array([p[0] for p in laws])[None], gated)
     for m in MULTIPLES:
@@ -112,13 +115,13 @@ def coverage_table(studies: int = 400, seed: int = 0, mode: EMode | None = None)
     """Markdown: every regime x truth, each printed quantity's share printed and coverage (scaling_coverage)."""
     rng = np.random.default_rng(seed)
     rows, raw = [], {}
-    for sizes, seeds in REGIMES:
+    for sizes, seeds, noise in REGIMES:
         for truth in TRUTHS:
-            data = simulate(truth, sizes, seeds, studies, rng)
+            data = simulate(truth, sizes, seeds, studies, rng, noise)
             res = analyse(data, mode, seed=seed)
             cov = coverage(res, truth, data)
-            raw[f"{sizes}x{seeds} {truth}"] = cov
-            rows.append((f"{sizes} sizes x {seeds} seeds", truth, cov))
+            raw[f"{sizes}x{seeds} noise {noise} {truth}"] = cov
+            rows.append((f"{sizes} sizes x {seeds} seeds, {noise:.1%} noise", truth, cov))
     names = list(rows[0][2])
     head = "| regime | truth | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (len(names) + 2)]

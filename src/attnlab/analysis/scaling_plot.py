@@ -54,6 +54,10 @@ def plot_scaling(path: Path, st: ScalingStudy, r: ScalingResult) -> Figure:
             ax.errorbar([math.exp(logc[v, k]) * 1.04], [p.est[0, v]], yerr=None if np.isnan(yerr).any() else yerr,
                         fmt="x", color=color, capsize=3, ms=6)
     ax.axvline(r.c_max, color="grey", lw=0.8, ls=":")
+    seen = st.data.loss[np.isfinite(st.data.loss)]
+    fits = [predict(p, grid[:, None], r.scale)[:, 0] for p in r.params[0] if np.isfinite(p).all()]
+    low = min([seen.min(), *(f.min() for f in fits)])
+    ax.set_ylim(0.85 * low, 1.1 * seen.max())  # the bands may reach 0: the axis stays on the data and the fits
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training compute C (FLOPs)")

@@ -121,9 +121,11 @@ class ScalingResult:
     scale: float = 0.0
 
 
-def _estimate(full: np.ndarray, draws: np.ndarray, prob: np.ndarray, n: int, exact: bool) -> Estimate:
+def _estimate(full: np.ndarray, draws: np.ndarray, prob: np.ndarray, n: int, exact: bool,
+              positive: bool = False) -> Estimate:
+    """`positive`: a loss, E or alpha, whose interval stops at 0 (the t interval is symmetric)."""
     lo, hi = interval(full, draws, prob, n, exact)
-    return Estimate(full, lo, hi, draws)
+    return Estimate(full, np.maximum(lo, 0) if positive else lo, hi, draws)
 
 
 def _pick(loss: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -208,7 +210,9 @@ def analyse(data: ScalingData, mode: EMode | None = None, resamples: int = 200, 
     fitted = sizes >= EXTRAPOLATE_FROM  # (S, V)
     smallest = np.nanmin(np.where(present, mean[:, 0], np.nan), -1)  # (S, V)
     identified = (np.exp(full[:, 0, :, 2]) >= E_FLOOR * smallest) | (mode.kind == "prior")
-    est = lambda f, dr: _estimate(f, np.moveaxis(dr, 1, -1), prob, n, exact)  # noqa: E731 (S, ...) and (S, D, ...)
+    def est(f: np.ndarray, dr: np.ndarray, positive: bool = True) -> Estimate:  # f (S, ...), dr (S, D, ...)
+        return _estimate(f, np.moveaxis(dr, 1, -1), prob, n, exact, positive)
+
 
     def curve(p: np.ndarray, gate: np.ndarray) -> np.ndarray:  # NaN where the variant is not fitted
         return np.where(gate[:, None, :, None], p, np.nan)
@@ -225,7 +229,7 @@ def analyse(data: ScalingData, mode: EMode | None = None, resamples: int = 200, 
     meas = np.where(fitted[:, None], meas, np.nan)
     err_f = 100 * (pred_f - meas[:, 0]) / meas[:, 0]
     err_d = 100 * (pred_d - meas[:, 1:]) / meas[:, 1:]
-    heldout_err = est(err_f, err_d)
+    heldout_err = est(err_f, err_d, False)
     failed = fitted & ((heldout_err.lo > 0) | (heldout_err.hi < 0))
     pairs = [(i, j) for i in range(v) for j in range(i + 1, v)]
     lo_c, hi_c = math.log(c_min), math.log(100 * c_max)
@@ -248,11 +252,11 @@ def analyse(data: ScalingData, mode: EMode | None = None, resamples: int = 200, 
         n_seeds=n, exact=exact, n_draws=len(prob), e_mode=mode, best_lr=b0,
         edge=(b0 >= 0) & (highest > lowest) & ((b0 == lowest) | (b0 == highest)),
         extended=(tried & ~np.isin(data.lrs, list(grid))[None, None, None]).any(-1) if grid else np.zeros_like(present),
-        sizes=sizes, size_loss=est(size_mean[:, 0], size_mean[:, 1:]), size_diff=est(diff[:, 0], diff[:, 1:]),
+        sizes=sizes, size_loss=est(size_mean[:, 0], size_mean[:, 1:]), size_diff=est(diff[:, 0], diff[:, 1:], False),
         fitted=fitted, identified=identified, alpha=est(pf[:, 0, :, 1], pd[..., 1]),
         e=est(np.exp(pf[:, 0, :, 2]), np.exp(pd[..., 2])),
         at=at_k, heldout_pred=est(pred_f, pred_d), heldout_meas=est(meas[:, 0], meas[:, 1:]), heldout_err=heldout_err,
-        failed=failed, pairs=pairs, cross=est(cross_f / math.log(10), cross_d / math.log(10)), cross_share=share,
+        failed=failed, pairs=pairs, cross=est(cross_f / math.log(10), cross_d / math.log(10), False), cross_share=share,
         c_min=c_min, c_max=c_max, params=pf[:, 0], draw_params=pd, held_params=hf[:, 0], prob=prob,
         scale=scale)
 
