@@ -244,7 +244,7 @@ def test_final_metrics_columns_and_significance(tmp_path):
         ("params", "params", "built_in"), ("PPL", "final/test_ppl", "metric"), ("", "metric", "built_in"),
         ("model.d_k", "model.d_k", "config")]
     assert spec.significance == {"level": 0.01, "resamples": 1000, "seed": 12345, "correction": "dunnett",
-                                 "population": "test_set"}
+                                 "population": "test_set", "equivalence": None, "spending": "obrien_fleming"}
     plain = spec_of(tmp_path, "axes: {model.norm: [rmsnorm]}\n")  # the metric's block comes first by default
     assert plain.significance["correction"] == "dunnett"  # Dunnett's adjustment unless the file turns it off
     assert plain.significance["population"] == "sample"  # the test set is a sample of sentences by default

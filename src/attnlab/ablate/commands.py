@@ -1,5 +1,5 @@
 """The `attnlab ablate` subcommands (added to the attnlab CLI): run, worker, submit, move, status, evaluate, table,
-plot, effects, scaling, compare, power, scaling-coverage."""
+plot, effects, scaling, compare, power, seeds-power, scaling-coverage."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from ..analysis.effects import effects_report
 from ..analysis.figures import plot
 from ..analysis.power import power_table
 from ..analysis.report import write_table
+from ..analysis.rounds import describe, replayed
 from ..analysis.scaling_coverage import write_coverage
 from ..analysis.scaling_report import collect, scaling_report, size_transfer
 from ..analysis.scaling_stats import EMode
+from ..analysis.seeds_power import seeds_power_table
 from ..analysis.transfer import compare_studies
 from ..config import ConfigError
 from ..launch.job import DEFAULT_FIT, StepFit, install_worker_signals, resolve_fit, stop_status, worker_signals
@@ -26,7 +28,7 @@ from .final import DEFAULT_EVALUATE, evaluate_study
 from .runner import options_from, run_study, work
 from .spec import load_spec
 from .study import format_status, move_study, open_study, prepare_study
-from .submit import submit_study
+from .submit import load_run_spec, submit_study
 
 log = logging.getLogger("attnlab.ablate")
 
@@ -49,7 +51,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `ablate` subcommands to an argparse subparsers object (attnlab's CLI)."""
     ab = subparsers.add_parser("ablate", help="ablation studies: run, worker, submit, move, status, evaluate, table, "
-                                              "plot, effects, scaling, compare, power, scaling-coverage")
+                                              "plot, effects, scaling, compare, power, seeds-power, scaling-coverage")
     sub = ab.add_subparsers(dest="ablate_command", required=True)
     run = sub.add_parser("run", help="run the missing points of a study with N local workers")
     _worker_args(run)
@@ -61,9 +63,12 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                           "its own resources.devices of them through CUDA_VISIBLE_DEVICES")
     run.add_argument("--workers-per-gpu", type=int, default=1,
                      help="workers sharing one GPU slice (default 1: two workers never share a GPU)")
+    _rounds_args(run)
     worker = sub.add_parser("worker", help="one worker: claim points and run them until none is left")
     _worker_args(worker)
     worker.add_argument("--max-trials", type=int, default=None, help="stop after this many trials")
+    worker.add_argument("--max-round", type=int, default=None,
+                        help="a study in rounds: claim no point of a later round (each SLURM array is one round)")
     worker.add_argument("--srun", action="store_true",
                         help="inside a SLURM job: run each trial as an srun step, one task per device")
     worker.add_argument("--no-linger", action="store_true",
@@ -75,6 +80,13 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                         help="array tasks, one worker each (default: one per point still to run)")
     submit.add_argument("--array-parallelism", type=int, default=None, help="at most this many run at once")
     add_slurm_args(submit, "study")
+    _rounds_args(submit)
+    submit.add_argument("--wait", action="store_true",
+                        help="a study in rounds: wait here for each round's array job, then submit the next round")
+    submit.add_argument("--no-chain", action="store_true",
+                        help="a study in rounds: submit this round only (default: with a job that submits the next "
+                             "round when this round's array ends)")
+    submit.add_argument("--after", default=None, help=argparse.SUPPRESS)  # the chained job: the array just ended
     move = sub.add_parser("move", help="copy a study into another storage and record it there")
     move.add_argument("study", help="the ablation file, or its study directory")
     move.add_argument("--dir", default=None, help="study directory when it is not the default")
@@ -113,6 +125,11 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     power.add_argument("--studies", type=int, default=10_000, help="simulated studies per setting")
     power.add_argument("--out", default="docs/significance_power.md",
                        help="the markdown table (and the raw numbers as .json beside it)")
+    seeds_power = sub.add_parser("seeds-power", help="simulate studies run in rounds of seeds until decided: "
+                                                     "size, wrong equivalence and seeds spent (docs/seeds.md)")
+    seeds_power.add_argument("--studies", type=int, default=2000, help="simulated studies per setting")
+    seeds_power.add_argument("--out", default="docs/seeds_power.md",
+                             help="the markdown tables (and the raw numbers as .json beside it)")
     compare = sub.add_parser("compare", help="the variants two studies share, side by side, and the rank "
                                              "correlation of their scores (Kendall's tau, Spearman's rho)")
     compare.add_argument("study_a", help="an ablation file or study directory")
@@ -127,6 +144,18 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
                                 ("--out", "docs/scaling_coverage.md", "the table (and the raw numbers as .json)")):
         coverage.add_argument(flag, type=type(default), default=default, help=text)
     return ab
+
+
+def _rounds_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--until-decided", action="store_true",
+                   help="run in rounds of seeds: every variant at --min-seeds, then a seed a round only for the "
+                        "variants whose comparison with the baseline is undecided (the file's seeds: {min, max} "
+                        "does this without the option)")
+    p.add_argument("--min-seeds", type=int, default=None, help="with --until-decided: the first round's seeds "
+                                                                  "(default: the file's min, else 2)")
+    p.add_argument("--max-seeds", type=int, default=None, help="with --until-decided: at most this many seeds "
+                                                                  "(default: the file's max, else 10)")
+    p.add_argument("--seed-step", type=int, default=None, help="with --until-decided: seeds added a round (1)")
 
 
 def stopped(e: BaseException, who: str) -> int:
@@ -147,7 +176,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
     if sub == "run":
         if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be >= 1")
-        spec = load_spec(args.spec)
+        spec = load_run_spec(args)
         for warning in budget_warnings(spec):
             log.warning(warning)
         gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus is not None else None
@@ -164,7 +193,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
                 return stopped(e, "ablate run")
         print(f"{spec.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         print(f"see `attnlab ablate status {args.spec}` and `attnlab ablate table {args.spec}`")
-        return 0 if set(counts) <= {"done", "invalid"} else 1
+        return 0 if set(counts) <= {"done", "invalid", "not needed"} else 1
     if sub == "submit":
         return submit_study(args)
     if sub == "worker":
@@ -181,6 +210,11 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         h = move_study(open_study(args.study, None, args.dir), args.to)
         print(f"{h.spec.name}: {len(h.study.get_trials(deepcopy=False))} trial(s) copied to {h.url}, now recorded "
               f"in {h.dir / 'study.yaml'}")
+        return 0
+    if sub == "seeds-power":
+        command = f"attnlab ablate seeds-power --studies {args.studies}"
+        print(seeds_power_table(args.studies, Path(args.out), command))
+        print(f"\nwritten: {args.out}, {Path(args.out).with_suffix('.json')}")
         return 0
     if sub == "scaling-coverage":  # the table, then what it wrote
         print(write_coverage(args.studies, Path(args.out), f"attnlab ablate scaling-coverage --studies {args.studies}"))
@@ -212,6 +246,9 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         return 0
     if sub == "status":
         print(format_status(h, args.grace))
+        rounds = replayed(h)
+        if rounds is not None:
+            print("\n" + "\n".join(describe(rounds)))
         jobs = h.dir / "slurm" / "jobs.jsonl"
         if jobs.exists():
             print("\n" + slurm_status(jobs))

@@ -61,6 +61,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
+from ..analysis.rounds import points_wanted, round_counts
 from ..checkpoints import latest_checkpoint
 from ..config import ConfigError
 from ..experiment import Experiment
@@ -113,6 +114,7 @@ class Options:
     grace_s: int = 120  # a RUNNING trial with no heartbeat for this long is lost
     poll_s: float = 10.0  # how often an idle worker looks again while other workers' points run
     max_trials: int | None = None  # per worker; None = until nothing is left
+    max_round: int | None = None  # a study in rounds: claim no point of a later round (a SLURM array is one round)
     linger: bool = True  # wait while other workers' points run (one may be lost); SLURM workers exit instead
 
 
@@ -120,6 +122,7 @@ def options_from(args: argparse.Namespace) -> Options:
     """The Options of `ablate run`, `ablate worker` and `ablate submit` from their command-line arguments."""
     return Options(fit=args.fit, evaluate=args.evaluate, heartbeat_s=args.heartbeat, grace_s=args.grace,
                    poll_s=args.poll, max_trials=getattr(args, "max_trials", None),
+                   max_round=getattr(args, "max_round", None),
                    linger=not getattr(args, "no_linger", False))
 
 
@@ -205,18 +208,19 @@ def _first_live_claim(h: StudyHandle, point_id: str, number: int, grace_s: float
     return True
 
 
-def claim_next(h: StudyHandle, grace_s: float) -> tuple[Claim | None, bool]:
+def claim_next(h: StudyHandle, grace_s: float, max_round: int | None = None) -> tuple[Claim | None, bool]:
     """Claim the next point to run. Returns (claim or None, whether other workers still run points)."""
     with claim_lock(h.dir):
         fail_requeued(h)
         fail_stale(h, grace_s)
         states = point_states(h, grace_s=grace_s)
         busy = any(s.status in (RUNNING, STALE) for s in states.values())
+        wanted = points_wanted(h, states, max_round)  # seeds until decided: the round under way (analysis/rounds.py)
         if h.spec.is_search:
             return _claim_search(h, states, grace_s), busy
         for p in h.spec.points() + extension_points(h, states):  # an lr: edge's extension (edges.py)
             s = states[p.point_id]
-            if s.status != PENDING:
+            if s.status != PENDING or (wanted is not None and p.point_id not in wanted):
                 continue
             attrs = _attrs(p.point_id, p.variant.name, p.variant.overrides, p.seed, s.attempts + 1)
             attrs["variant_key"] = p.variant.key
@@ -422,7 +426,7 @@ def work(h: StudyHandle, opts: Options, fit: FitFn | None = None) -> int:
     while opts.max_trials is None or n < opts.max_trials:
         if stop_signal() is not None:  # a SIGTERM that came as a fit ended, too late to stop it: no next trial
             raise KeyboardInterrupt(signal.Signals(stop_signal()).name)
-        claim, busy = claim_next(h, opts.grace_s)
+        claim, busy = claim_next(h, opts.grace_s, opts.max_round)
         if claim is None:
             if not busy or not opts.linger:
                 break
@@ -441,6 +445,8 @@ def worker_command(spec_path: Path, study_dir: Path, storage: str, opts: Options
            "--grace", str(opts.grace_s), "--poll", str(opts.poll_s)]
     if opts.max_trials is not None:
         cmd += ["--max-trials", str(opts.max_trials)]
+    if opts.max_round is not None:
+        cmd += ["--max-round", str(opts.max_round)]
     return cmd + (["--srun", "--no-linger"] if srun else [])
 
 
@@ -460,7 +466,7 @@ def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | 
     h = prepare_study(spec, study_dir, storage)
     if workers == 1 and gpus is None:
         work(h, opts, fit)
-        return status_counts(h, opts.grace_s)
+        return round_counts(h, opts.grace_s) or status_counts(h, opts.grace_s)
     if fit is not None:
         raise ValueError("run_study with worker processes: give the fit as opts.fit='module:function'")
     procs: list[subprocess.Popen] = []
@@ -484,4 +490,4 @@ def run_study(spec: AblationSpec, study_dir: Path | None = None, storage: str | 
         raise
     if any(codes):
         log.warning("worker exit codes: %s", codes)
-    return status_counts(h, opts.grace_s)
+    return round_counts(h, opts.grace_s) or status_counts(h, opts.grace_s)

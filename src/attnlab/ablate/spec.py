@@ -6,7 +6,8 @@ search), seeds, the metric and its direction, the budget and resources of one tr
     metric: {name: final/test_bleu, direction: max}    # or the last value of a curve: val/bleu, val/loss, ...
                                               # default: final/test_bleu for translation (beam search on
                                               # the averaged checkpoint, chrF beside it), else val/loss
-    seeds: [1, 2]                             # or a count: 2 means [1, 2]
+    seeds: [1, 2]                             # or a count: 2 means [1, 2]; or {min: 2, max: 10}: rounds of
+                                              # seeds until each comparison is decided (seeds.py)
     budget: {steps: 2000}                     # trainer.max_steps and the schedule's optim.max_steps;
                                               # {time_min: 30} sets trainer.max_time_min (a cosine or wsd
                                               # schedule then needs optim.max_steps under overrides:);
@@ -72,6 +73,7 @@ from .factors import (
     parse_variants,
     short_key,
 )
+from .seeds import Rounds, parse_seeds
 
 TOP_KEYS = ("name", "description", "base", "metric", "seeds", "budget", "resources", "retries", "overrides",
             "axes", "variants", "search", "n_trials", "distributions", "search_seed", "final_eval", "columns",
@@ -119,6 +121,7 @@ class AblationSpec:
     sizes: tuple[Variant, ...] = ()  # the scale: ladder (factors.parse_scale)
     scale_budget: dict[str, float] = field(default_factory=dict)  # each size's training budget (budget.py)
     lrs: tuple[float, ...] = ()  # the learning rates searched for every variant and size (factors.parse_lr)
+    rounds: Rounds | None = None  # seeds: {min, max}: rounds of seeds until decided (seeds.py); seeds holds max
     lr_extend: bool = False  # lr: {extend_edges: true}: one more LR beyond an edge that is best (edges.py)
 
     @property
@@ -244,7 +247,7 @@ class AblationSpec:
         return {"name": self.name, "path": str(self.path), "base": str(self.base), "metric": self.metric,
                 "direction": self.direction, "seeds": list(self.seeds), "retries": self.retries,
                 "search": self.is_search, "n_trials": self.n_trials, "final_eval": self.final_eval,
-                "budget_flops": self.budget_flops}
+                "budget_flops": self.budget_flops, "rounds": self.rounds.to_dict(self.seeds) if self.rounds else None}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -290,12 +293,7 @@ def load_spec(path: str | Path) -> AblationSpec:
     task = TASKS.get(arch)  # what its trials log (a base without a task fails below, naming model.arch)
     check_metric(str(metric["name"]), final_eval, f"{src}: metric", task)
 
-    seeds = raw.get("seeds", [1])
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        _need(seeds >= 1, f"{src}: seeds={seeds} must be >= 1 (a count) or a list")
-        seeds = list(range(1, seeds + 1))
-    _need(isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-          and len(set(seeds)) == len(seeds), f"{src}: seeds must be a count or a list of distinct ints, got {seeds!r}")
+    seeds, rounds = parse_seeds(raw.get("seeds", [1]), src)  # a list, a count or rounds {min, max} (seeds.py)
 
     budget = raw.get("budget") or {}
     _need(isinstance(budget, dict) and set(budget) <= {"steps", "time_min", "flops"},
@@ -348,7 +346,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         _need(not axes and not variant_list and not sizes and not lrs,
               f"{src}: search: optuna replaces axes:/variants:/scale:/lr:; give one or the other")
         _need(isinstance(n_trials, int) and n_trials >= 1, f"{src}: search: optuna needs n_trials >= 1")
-        _need(len(seeds) == 1, f"{src}: a search runs one seed per trial; give seeds: [N]")
+        _need(len(seeds) == 1 and rounds is None, f"{src}: a search runs one seed per trial; give seeds: [N]")
     else:
         _need(not dists and "n_trials" not in raw, f"{src}: distributions:/n_trials: need search: optuna")
         _need(bool(axes or variant_list or sizes or lrs),
@@ -363,7 +361,7 @@ def load_spec(path: str | Path) -> AblationSpec:
               f"{src}: {name} is scored for translation experiments only; base {raw['base']} has model.arch={arch}")
     spec = AblationSpec(
         name=str(raw.get("name", path.stem)), path=path, base=base, metric=str(metric["name"]), direction=direction,
-        seeds=tuple(seeds), budget_steps=steps, budget_time_min=float(time_min) if time_min else None,
+        seeds=seeds, rounds=rounds, budget_steps=steps, budget_time_min=float(time_min) if time_min else None,
         budget_flops=float(flops) if flops else None, final_eval=final_eval, columns=columns,
         significance=significance, resources=dict(resources), retries=retries, overrides=overrides, axes=axes,
         variant_list=variant_list,

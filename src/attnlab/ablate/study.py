@@ -30,6 +30,7 @@ from ..leftovers import owner, owner_alive, stamped
 from . import faults
 from .edges import lr_extensions, scaling_metric
 from .journal import WholeJournalFile
+from .seeds import adopt
 from .spec import AblationSpec, Point, load_spec
 
 log = logging.getLogger("attnlab.ablate")
@@ -252,6 +253,9 @@ def prepare_study(spec: AblationSpec, study_dir: Path | None = None, storage: st
             if attempt == 2:
                 raise
             time.sleep(1.0 + attempt)
+    spec = adopt(spec, study.user_attrs.get("rounds"))  # run in rounds before: a file without them runs them too
+    if spec.rounds is not None:
+        study.set_user_attr("rounds", spec.rounds.to_dict(spec.seeds))
     baseline = spec.baseline()
     study.set_user_attr("spec", spec.to_dict())
     study.set_user_attr("baseline", baseline.key if baseline else None)
@@ -276,6 +280,7 @@ def connect(spec: AblationSpec, study_dir: Path, storage: str | None = None) -> 
         study = optuna.load_study(study_name=spec.name, storage=st)
     except KeyError:
         raise ConfigError(never_run) from None
+    spec = adopt(spec, study.user_attrs.get("rounds"))  # the rounds it was run with (seeds.py)
     return StudyHandle(spec, study_dir, url, st, study, st.get_study_id_from_name(spec.name))
 
 

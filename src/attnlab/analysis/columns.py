@@ -18,9 +18,12 @@ BUILT_IN_COLUMNS = {"metric": "", "params": "params", "flops": "FLOPs/token", "t
 DEFAULT_COLUMNS = ("metric", "params", "tokens_per_s", "wall")
 # correction: dunnett (Dunnett 1955 over the rows against the baseline; Holm 1979 where Welch's fallback or a
 # 1-seed study's bootstrap is used) or none; population: sample (seeds and the test set's sentences) or test_set
-# (seeds only, conditional on this test set)
-SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "correction": "dunnett", "population": "sample"}
-CHOICES = {"correction": ("dunnett", "none"), "population": ("sample", "test_set")}
+# (seeds only, conditional on this test set); seeds until decided (`seeds: {min, max}`, sequential.py): equivalence
+# (eps: a comparison within +-eps is decided as equivalent, TOST) and the alpha-spending function of the rounds
+SIGNIFICANCE = {"level": 0.05, "resamples": 1000, "seed": 12345, "correction": "dunnett", "population": "sample",
+                "equivalence": None, "spending": "obrien_fleming"}
+CHOICES = {"correction": ("dunnett", "none"), "population": ("sample", "test_set"),
+           "spending": ("obrien_fleming", "pocock")}
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ def parse_columns(items: Any, final_eval: bool, src: str, task: str | None = Non
 
 
 def parse_significance(raw: Any, src: str) -> dict[str, Any]:
-    """`significance: {level, resamples, seed, correction, population}` over the defaults in SIGNIFICANCE."""
+    """`significance: {level, resamples, seed, correction, population, equivalence, spending}` over the defaults in
+    SIGNIFICANCE."""
     raw = raw or {}
     need(not isinstance(raw, dict) or "holm" not in raw,
          f"{src}: significance.holm is now significance.correction: dunnett (the default: Dunnett's many-to-one "
@@ -114,9 +118,12 @@ def parse_significance(raw: Any, src: str) -> dict[str, Any]:
     for k in ("resamples", "seed"):  # sacreBLEU takes seed 0 for "no seed": a reproducible test needs >= 1
         need(isinstance(out[k], int) and not isinstance(out[k], bool) and out[k] >= 1,
              f"{src}: significance.{k}={out[k]!r} must be an int >= 1")
+    eps = out["equivalence"]
+    need(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0),
+         f"{src}: significance.equivalence={eps!r} must be a number > 0 (the margin eps of |Δ| < eps) or null")
     for k, allowed in CHOICES.items():
         need(out[k] in allowed, f"{src}: significance.{k}={out[k]!r}: expected one of {', '.join(allowed)}")
-    return {**out, "level": float(level)}
+    return {**out, "level": float(level), "equivalence": None if eps is None else float(eps)}
 
 
 def need(cond: bool, msg: str) -> None:

@@ -26,6 +26,8 @@ from ..ablate.factors import fmt
 from ..ablate.study import StudyHandle
 from .columns import Column
 from .model import FEW_SEEDS, StudyModel, compare, detectable
+from .rounds import Rounds, compare_rounds
+from .rounds import footnote as rounds_footnote
 from .rows import Row, collect_rows
 from .stats import t_interval
 from .testset import version
@@ -36,6 +38,7 @@ class Table:
     rows: list[Row]  # best first
     notes: list[str]  # the points not in the table, and why
     model: StudyModel | None  # the inference model (None without a baseline row)
+    rounds: Rounds | None = None  # a study in rounds of seeds: its sequential tests replace the model's (rounds.py)
 
 
 def table_rows(h: StudyHandle) -> Table:
@@ -43,13 +46,16 @@ def table_rows(h: StudyHandle) -> Table:
     rows, notes = collect_rows(h)
     base = next((r for r in rows if r.baseline), None)
     model = compare(h, rows, base) if base is not None else None
+    rounds = compare_rounds(h, rows, base) if base is not None and h.spec.rounds is not None else None
+    if rounds is not None:  # the seeds no round has asked for (yet) are not missing from the table
+        notes = [n for n in notes if not n.endswith(": pending")]
     notes += [f"{r.variant}: not compared with the baseline: {r.refused}" for r in rows if r.refused]
     if len(rows) > 1 and all(v == 0 for r in rows for v in r.values):  # a budget too short to score: BLEU 0
         for r in rows:
             r.significant = False
         notes.append(f"degenerate study: every trial scored 0 on {h.spec.metric}, so no row can differ from "
                      "another: no star (a larger budget would give scores)")
-    return Table(rows, notes, model)
+    return Table(rows, notes, model, rounds)
 
 
 def method_text(h: StudyHandle, m: StudyModel, q: int) -> str:
@@ -98,6 +104,8 @@ def footnote(h: StudyHandle, table: Table) -> str:
         return ""
     why = f" Baseline: {h.spec.baseline_reason()}." if h.spec.baseline_reason() else ""
     tested = [r.comparison for r in rows if r.comparison is not None]
+    if table.rounds is not None:
+        return rounds_footnote(h, table.rounds, len(rows) - 1) + why
     few = any(r.n < FEW_SEEDS for r in rows)
     flag = f" ‡ fewer than {FEW_SEEDS} seeds: too few to see the seed-to-seed variation." if few else ""
     if not tested:
@@ -173,9 +181,9 @@ def cell(column: Column, value: Any, d: int = 2) -> str:
     return count(value)
 
 
-def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
+def metric_cells(r: Row, with_test: bool | str, d: int) -> list[str]:
     """mean ± std, n (‡ under FEW_SEEDS), and against the baseline Δ, the adjusted p and the CI of Δ, with d
-    decimals."""
+    decimals (with_test "rounds": and the decision of a study in rounds)."""
     out = [f"{r.mean:.{d}f}" + (f" ± {r.std:.{d}f}" if r.n > 1 else ""), f"{r.n}" + (" ‡" if r.n < FEW_SEEDS else "")]
     if not with_test:
         return out
@@ -191,7 +199,7 @@ def metric_cells(r: Row, with_test: bool, d: int) -> list[str]:
     else:
         out.append("" if r.baseline else f"none: {shared} shared seed{'s' * (shared != 1)}")
     out.append("" if c is None else f"[{c.ci_low:+.{d}f}, {c.ci_high:+.{d}f}]")
-    return out
+    return out + ([r.decision] if with_test == "rounds" else [])
 
 
 def header(h: StudyHandle, with_test: bool) -> list[str]:
@@ -200,7 +208,8 @@ def header(h: StudyHandle, with_test: bool) -> list[str]:
         if c.source == "metric":
             arrow = "↑" if h.spec.direction == "max" else "↓"
             out += [f"{c.label or h.spec.metric} {arrow}", "n"] + (["Δ vs baseline", "p", "95% CI of Δ"]
-                                                                  if with_test else [])
+                                                                  if with_test else []) + (
+                ["decision"] if with_test and h.spec.rounds is not None else [])
         else:
             out.append(c.label)
     return out
@@ -210,7 +219,8 @@ def cells(h: StudyHandle, r: Row, with_test: bool, decimals: dict[str, int]) -> 
     out = [r.variant + (" †" if r.short else "")]
     for c in h.spec.columns:
         d = decimals.get(c.source, 2)
-        out += metric_cells(r, with_test, d) if c.source == "metric" else [cell(c, r.cells.get(c.source), d)]
+        test = "rounds" if with_test and h.spec.rounds is not None else with_test
+        out += metric_cells(r, test, d) if c.source == "metric" else [cell(c, r.cells.get(c.source), d)]
     return out
 
 
@@ -271,7 +281,8 @@ def write_csv(path: Path, h: StudyHandle, table: Table) -> None:
                     "delta_vs_baseline", "p_value", "delta_ci_low", "delta_ci_high", "p_adjusted", "significant",
                     "test", "adjust", "se", "df", "population", "paired_bootstrap_p_per_seed",
                     "paired_bootstrap_ci_per_seed", "baseline",
-                    *[c.label or c.source for c in extra], "n_params", "tokens_per_s", "wall_s", "seeds", "values"])
+                    *[c.label or c.source for c in extra], "n_params", "tokens_per_s", "wall_s", "seeds", "values",
+                    "decision"])
         for r in rows:
             c = r.comparison
             test = [c.p_value, c.ci_low, c.ci_high, c.p_adjusted, r.significant, c.method, c.adjust, c.se, c.df,
@@ -281,7 +292,7 @@ def write_csv(path: Path, h: StudyHandle, table: Table) -> None:
             w.writerow([r.variant, r.mean, r.std, r.n, *t_interval(r.values), "" if r.delta is None else r.delta,
                         *test, r.baseline, *["" if r.cells.get(x.source) is None else r.cells[x.source] for x in extra],
                         r.trials[0].user_attrs.get("n_params"), r.attr_mean("tokens_per_s"), r.attr_mean("wall_s"),
-                        " ".join(map(str, r.seeds)), " ".join(repr(v) for v in r.values)])
+                        " ".join(map(str, r.seeds)), " ".join(repr(v) for v in r.values), r.decision])
 
 
 def write_table(h: StudyHandle, out_dir: Path | None = None) -> tuple[str, list[Path]]:

@@ -34,6 +34,7 @@ class Row:
     refused: str = ""  # why the row is not compared with the baseline (its sacreBLEU signature differs)
     untested: str = ""  # why a row in the model has no test (model.compare sets it)
     short: list[str] = field(default_factory=list)  # its trials that stopped short of the study's budget
+    decision: str = ""  # a study in rounds: the comparison's state and the round it stopped at (rounds.py)
 
     @property
     def seeds(self) -> list[int]:
