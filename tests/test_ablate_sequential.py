@@ -1,12 +1,12 @@
-"""Seeds until decided (attnlab.analysis.sequential): the group-sequential boundaries against published values and
-a simulation of their own, then simulated studies run in rounds (attnlab.analysis.seeds_power: the rounds the
-table replays, inference.against_baseline and testset.test_set_cov at every round) for the issue's three targets:
-size under optional stopping, equivalence declared wrongly, and the seeds spent against a fixed 10-seed design.
+"""Seeds until decided (attnlab.analysis.sequential): the group-sequential boundaries against published values and a
+simulation of their own, then simulated studies run in rounds (attnlab.analysis.seeds_power: the rounds the table
+replays, inference.against_baseline and testset.test_set_cov at every round) for the issue's three targets: size
+under optional stopping, equivalence declared wrongly, and the seeds spent against a fixed 10-seed design.
 
 The simulations use 100 test sentences of SD 5.77 (the 0.58 points of sentence noise in a corpus score that 300
-sentences of SD 10 give) and 100 resamples, a few hundred studies a setting; `attnlab ablate seeds-power` runs
-2,000 at 300 sentences and 200 resamples (docs/seeds_power.md). Stopping at the first round whose fixed-sample test
-stars a comparison (spending `none`) fails the first three tests here: docs/seeds.md gives its rates."""
+sentences of SD 10 give) and 100 resamples, a few hundred studies a setting; `attnlab ablate seeds-power` runs 2,000
+at 300 sentences and 200 resamples (docs/results/seeds_power.md). Stopping at the first round whose fixed-sample
+test stars a comparison (spending `none`) fails the first three tests here: docs/seeds.md gives its rates."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_seeds_spent_against_a_fixed_10_seed_design_of_the_same_power():
     +-2, the rounds take at most half the fixed design's 50 trainings, find the +3 variants as often as it does,
     star no more nulls than 7% of studies and decide the nulls as equivalent. With independent seed noise of SD 1.3
     (equivalence within +-2) they save a fifth of the trainings at the fixed design's power, not half
-    (docs/seeds_power.md: the target is met only where the noise is small against eps)."""
+    (docs/results/seeds_power.md: the target is met only where the noise is small against eps)."""
     r = sp.run_case(sp.Case(4, 0.0, (3.0, 3.0, 0.0, 0.0), eps=2.0), 200, seed=3, fixed_too=True, **SMALL)
     x, f = r["rounds"], r["fixed"]
     assert r["trainings"] <= 0.5 * r["fixed_trainings"], r

@@ -133,6 +133,7 @@ def test_a_study_in_rounds_trains_only_its_rounds_and_its_table_and_status_are_t
 
     assert main(["ablate", "status", str(spec.path), "--dir", str(study_dir)]) == 0
     out = capsys.readouterr().out
+    assert "20 points: 15 done, 5 not needed" in out and "    5  " not in out  # no unneeded point listed
     assert "round 2: 3 seeds; 4 trainings (d_ff=64, d_ff=96, d_ff=128, d_ff=160)" in out
     assert "round 3: 4 seeds; 3 trainings (d_ff=64, d_ff=128, d_ff=160)" in out
     assert re.search(r"d_ff=96: better \(stopped at round 2, 3 seeds; Δ -0\.\d+, p [0-9.e-]+, CI", out), out

@@ -13,7 +13,7 @@ from ..analysis.effects import effects_report
 from ..analysis.figures import plot
 from ..analysis.power import power_table
 from ..analysis.report import write_table
-from ..analysis.rounds import describe, replayed
+from ..analysis.rounds import describe, replayed, unneeded
 from ..analysis.scaling_coverage import write_coverage
 from ..analysis.scaling_report import collect, scaling_report, size_transfer
 from ..analysis.scaling_stats import EMode
@@ -128,7 +128,7 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     seeds_power = sub.add_parser("seeds-power", help="simulate studies run in rounds of seeds until decided: "
                                                      "size, wrong equivalence and seeds spent (docs/seeds.md)")
     seeds_power.add_argument("--studies", type=int, default=2000, help="simulated studies per setting")
-    seeds_power.add_argument("--out", default="docs/seeds_power.md",
+    seeds_power.add_argument("--out", default="docs/results/seeds_power.md",
                              help="the markdown tables (and the raw numbers as .json beside it)")
     compare = sub.add_parser("compare", help="the variants two studies share, side by side, and the rank "
                                              "correlation of their scores (Kendall's tau, Spearman's rho)")
@@ -245,7 +245,7 @@ def cmd_ablate(args: argparse.Namespace, overrides: dict[str, Any] | None = None
         print(f"see `attnlab ablate table {args.study}`")
         return 0
     if sub == "status":
-        print(format_status(h, args.grace))
+        print(format_status(h, args.grace, unneeded(h, args.grace)))
         rounds = replayed(h)
         if rounds is not None:
             print("\n" + "\n".join(describe(rounds)))

@@ -439,11 +439,13 @@ def devices_note(t: FrozenTrial) -> str:
     return {"cpu": ", CPU", "all": ", all GPUs", "": ", no GPU"}.get(devices, f", GPUs {devices}")
 
 
-def format_status(h: StudyHandle, grace_s: float = 120.0) -> str:
-    """Which points are done, running, failed, invalid, pending; one line each."""
-    states = list(point_states(h, grace_s=grace_s).values())
+def format_status(h: StudyHandle, grace_s: float = 120.0, unneeded: set[str] = frozenset()) -> str:
+    """Which points are done, running, failed, invalid, pending; one line each. `unneeded`: the pending points no round
+    of a study in rounds needs (analysis/rounds.py), counted as such and not listed."""
+    states = [s for s in point_states(h, grace_s=grace_s).values() if s.point_id not in unneeded]
     counts = {k: sum(s.status == k for s in states) for k in (DONE, RUNNING, STALE, FAILED, INVALID, PENDING)}
-    total = h.spec.n_trials if h.spec.is_search else len(states)
+    counts["not needed"] = len(unneeded)
+    total = h.spec.n_trials if h.spec.is_search else len(states) + len(unneeded)
     if h.spec.is_search:
         counts[PENDING] += max(0, h.spec.n_trials - len(states))
     lines = [f"study {h.spec.name}  ({h.url})  metric {h.spec.metric} ({h.spec.direction})",

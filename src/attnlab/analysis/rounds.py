@@ -146,6 +146,16 @@ def points_wanted(h: StudyHandle, states: dict[str, PointState], max_round: int 
     return {s.point_id for s in states.values() if (s.variant, s.seed) in want}
 
 
+def unneeded(h: StudyHandle, grace_s: float = 120.0) -> set[str]:
+    """The pending points no round needs (yet, or at all once every comparison is decided): `ablate status` counts
+    them apart."""
+    states = point_states(h, grace_s=grace_s)
+    wanted = points_wanted(h, states)
+    if wanted is None:
+        return set()
+    return {s.point_id for s in states.values() if s.status == "pending" and s.point_id not in wanted}
+
+
 def round_counts(h: StudyHandle, grace_s: float = 120.0) -> dict[str, int] | None:
     """Points by status, the points no round needs (yet, or at all once every comparison is decided) counted as
     `not needed` instead of pending (None: not a study in rounds)."""

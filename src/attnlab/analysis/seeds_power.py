@@ -1,12 +1,13 @@
 """Seeds until decided, measured: simulated studies pushed through the rounds the table replays (sequential.replay,
 which tests each round with inference.against_baseline and testset.test_set_cov, the table's functions), thousands
-at once. `attnlab ablate seeds-power` writes docs/seeds_power.md (and .json); tests/test_ablate_sequential.py runs
-smaller ones and pushes a few studies through the runner and the table to show these are the functions they use.
+at once. `attnlab ablate seeds-power` writes docs/results/seeds_power.md (and .json);
+tests/test_ablate_sequential.py runs smaller ones, and tests/test_ablate_sequential_runs.py pushes a few studies
+through the runner and the table to show these are the functions they use.
 
-A simulated study is issue 41's (power.simulate): per-sentence scores of a baseline and `variants` compared
-variants x `max` seeds x the test sentences, each trial's seed part of SD `seed_sd` (or a part shared by every
-variant of a seed plus one of its own), sentence noise of 0.58 points in a corpus score; variant v is better by
-deltas[v]. Three questions:
+A simulated study is issue 41's (power.simulate): per-sentence scores of a baseline and `variants` compared variants
+x `max` seeds x the test sentences, each trial's seed part of SD `seed_sd` (or a part shared by every variant of a
+seed plus one of its own), sentence noise of 0.58 points in a corpus score; variant v is better by deltas[v]. Three
+questions:
 
 - size: no variant differs; how often is one starred under optional stopping (per comparison, the worst single
   comparison, and family-wise), with the sequential boundaries and with the fixed-sample test after every round
