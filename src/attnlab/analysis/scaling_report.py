@@ -145,8 +145,9 @@ def fit_rows(st: ScalingStudy, r: ScalingResult) -> tuple[list[str], list[list[s
         cells = [f"withheld: {why}", "", *[""] * len(MULTIPLES)] if why else [
             tagged(ci(r.alpha, (0, v)), labels), tagged(e, labels),
             *[tagged(ci(r.at[m], (0, v)), labels) for m in MULTIPLES]]
-        check = "FAILED: the error's interval excludes 0" if r.failed[0, v] else "passed: its interval holds 0"
-        held = [tagged(ci(r.heldout_pred, (0, v)), [r.e_mode.label] if r.e_mode.label else []),
+        check = ("FAILED: the error's interval excludes 0" if r.failed[0, v] else "passed: its interval holds 0"
+                 if np.isfinite(r.heldout_err.lo[0, v]) else "no interval (1 seed): neither passed nor failed")
+        held = [tagged(ci(r.heldout_pred, (0, v)), [x for x in labels if x != "unreliable"]),
                 ci(r.heldout_meas, (0, v)), ci(r.heldout_err, (0, v), "+.2f"), check]
         rows.append([name, *cells, *held])
     return head, rows
@@ -161,8 +162,9 @@ def crossing_lines(st: ScalingStudy, r: ScalingResult) -> list[tuple[str, str, f
         share = float(r.cross_share[0, p])
         est, lo, hi = (float(x[0, p]) for x in (r.cross.est, r.cross.lo, r.cross.hi))
         labels = list(dict.fromkeys(flags(r, i) + flags(r, j)))
-        fields = {"share": share, **{k: 10 ** x if math.isfinite(x) else math.nan
-                                     for k, x in (("estimate", est), ("low", lo), ("high", hi))}}
+        bounds = {k: 10 ** x if math.isfinite(x) else math.nan
+                  for k, x in (("estimate", est), ("low", lo), ("high", hi))}
+        fields = {"share": share, "flags": ";".join(labels), **bounds}
         if math.isnan(share):
             text, at = "no crossing given: it needs both variants' fits with E identified", math.nan
         elif math.isfinite(est) and share >= RELIABLE_SHARE:
@@ -236,7 +238,7 @@ def notes(st: ScalingStudy, r: ScalingResult) -> list[str]:
     if r.failed[0].any():
         out.append("(unreliable): the held-out check failed (its error's interval excludes 0): alpha, L at kx and "
                    "crossings of that variant are extrapolations the data contradict (Besiroglu et al. 2024)")
-    if r.fitted[0].any() and not r.failed[0][r.fitted[0]].any():
+    if r.fitted[0].any() and not r.failed[0][r.fitted[0]].any() and np.isfinite(r.heldout_err.lo[0][r.fitted[0]]).all():
         out.append("held-out check passed: refitted without the largest size, each fit predicts it within its "
                    "interval; this supports interpolation and one size step beyond, and nothing about 100x")
     return out
@@ -263,14 +265,15 @@ def write_csv(path: Path, st: ScalingStudy, r: ScalingResult, crosses: list) -> 
             for q, e in [("alpha", r.alpha), ("E", r.e), *[(f"L at {m}x", r.at[m]) for m in MULTIPLES]]:
                 rows.append(["fit", name, "", q, *_num(e, (0, v)), labels, ""])
         if r.fitted[0, v]:
-            check = "failed" if r.failed[0, v] else "passed"
+            check = "failed" if r.failed[0, v] else "passed" if np.isfinite(r.heldout_err.lo[0, v]) else "no interval"
             for q, e in (("predicted", r.heldout_pred), ("measured", r.heldout_meas), ("error %", r.heldout_err)):
                 rows.append(["heldout", name, st.sizes[int(np.nonzero(np.isfinite(r.size_loss.est[0, v]))[0][-1])],
                              q, *_num(e, (0, v)), check, ""])
     for pair, text, _, fields in crosses:
+        share = f"share={fields['share']:.3f}; " if math.isfinite(fields["share"]) else ""
         rows.append(["crossing", pair, "", "compute", *(f"{fields[x]:.6g}" if math.isfinite(fields[x]) else ""
-                                                         for x in ("estimate", "low", "high")),
-                     f"share={fields['share']:.3f}" if math.isfinite(fields["share"]) else "", text])
+                                                         for x in ("estimate", "low", "high")), fields["flags"],
+                     share + text])
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         w.writerow(["kind", "variant", "size", "quantity", "estimate", "low", "high", "flags", "note"])
