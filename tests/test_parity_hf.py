@@ -12,7 +12,7 @@ sequences up to 16 tokens (3 rows of different lengths):
   - Marian: greedy search and beam search (beam 4, fairseq's length penalty len^alpha, n-best lists and their
     scores) give HF's `generate` on a padded batch of sources, EOS and the maximum length matched.
 
-Which test proves which variant (the README's config table names them too):
+Which test proves which variant (the config table of docs/variants.md names them too):
 
     arch               encoder_decoder: test_marian (and tests/test_parity_torch.py); decoder_only: every test
                        with a CausalLM; encoder_only: test_bert

@@ -45,9 +45,10 @@ def test_ruff_is_clean():
 
 
 def test_every_row_of_the_readme_config_table_names_tests_that_exist():
-    """The "proven against" column of README's model-config table: each row names at least one test, and every
-    `file.py::test_name` (or `::test_name` after a file, `test_x_*` a prefix, `[...]` a parameter id) exists."""
-    readme = (SRC.parents[1] / "README.md").read_text(encoding="utf-8")
+    """The "proven against" column of the model-config table (docs/variants.md): each row names at least one
+    test, and every `file.py::test_name` (or `::test_name` after a file, `test_x_*` a prefix, `[...]` a parameter
+    id) exists."""
+    readme = (SRC.parents[1] / "docs" / "variants.md").read_text(encoding="utf-8")
     header = readme.index("| field | values | reference | proven against (tests/) |")
     rows = readme[header:readme.index("\n\n", header)].splitlines()[2:]
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -121,7 +121,7 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
             p.add_argument("--pair", nargs=2, default=None, metavar=("A", "B"),
                            help="the two factors of the interaction (default: the first two)")
     power = sub.add_parser("power", help="simulate null and effect studies through the table's test: its size and "
-                                         "power (the README's table)")
+                                         "power (the table of docs/ablations.md)")
     power.add_argument("--studies", type=int, default=10_000, help="simulated studies per setting")
     power.add_argument("--out", default="docs/significance_power.md",
                        help="the markdown table (and the raw numbers as .json beside it)")
