@@ -116,3 +116,21 @@ def test_seeds_in_a_file_make_rounds_whose_first_round_spends_little():
         with pytest.raises(ConfigError, match="seeds"):
             parse_seeds(bad, "f")
     assert stats.norm.isf(0.025) == pytest.approx(sq.Design(2, 4, spending="none").critical(1, 0.05))
+
+
+def test_attnlab_ablate_seeds_power_writes_the_guides_tables(tmp_path, monkeypatch, capsys):
+    """The command docs/seeds.md names, on one small case per table: the three tables, the raw numbers beside them."""
+    from attnlab.cli import main
+
+    monkeypatch.setattr(sp, "size_cases", lambda: [sp.Case(4, 1.3, (0.0,) * 4)])
+    monkeypatch.setattr(sp, "equivalence_cases", lambda: [sp.Case(4, 0.0, (1.0, -1.0, 1.0, -1.0), eps=1.0)])
+    monkeypatch.setattr(sp, "cost_cases", lambda: [sp.Case(4, 0.0, (3.0, 3.0, 0.0, 0.0), eps=2.0)])
+    simulate = sp.simulate
+    monkeypatch.setattr(sp, "simulate", lambda rng, case, studies, **_: simulate(rng, case, studies, **SMALL))
+    out = tmp_path / "power.md"
+    assert main(["ablate", "seeds-power", "--studies", "20", "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("`attnlab ablate seeds-power --studies 20`: 20 simulated studies per row")
+    assert "**Size under optional stopping**" in text and "| 4 | 1.3 | O'Brien-Fleming |" in text
+    assert "| 1 | 0 | O'Brien-Fleming |" in text and "| 4 | 0 | 2 | O'Brien-Fleming |" in text
+    assert out.with_suffix(".json").is_file() and "written:" in capsys.readouterr().out

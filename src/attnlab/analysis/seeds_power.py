@@ -160,7 +160,8 @@ def markdown(size: list[dict], equiv: list[dict], cost: list[dict], command: str
     studies = size[0]["studies"] if size else 0
     out = [f"`{command}`: {studies:,} simulated studies per row, seeds 2 to 10 one a round, α = 0.05, 300 test "
            "sentences (0.58 points of sentence noise in a corpus score; the test set a sample, 200 resamples); "
-           f"{seconds / 60:.1f} min. Rows: the baseline and the compared variants. Spending `none` is the "
+           f"{seconds / 60:.1f} min. Variants: those compared with the baseline (a study has one row more). Spending "
+           "`none` is the "
            "fixed-sample test after every round, stopping at the first star: what optional stopping does without "
            "a sequential correction.", "", "**Size under optional stopping** (no variant differs; no equivalence "
            "margin, so each comparison is looked at until max):", "",
@@ -192,8 +193,16 @@ def markdown(size: list[dict], equiv: list[dict], cost: list[dict], command: str
                    f"{100 * r['trainings'] / r['fixed_trainings']:.0f}% of {r['fixed_trainings']} | "
                    f"{pct(x['power'])} | {pct(x['familywise'])} | {pct(x['null_equivalent']) if eps else ''} | "
                    f"{pct(f.get('power'))} | {pct(f.get('familywise'))} | "
-                   f"{pct(f.get('null_equivalent')) if eps else ''} | {r.get('fixed_same_power_seeds') or ''} |")
+                   f"{pct(f.get('null_equivalent')) if eps else ''} | {same_power(r)} |")
     return "\n".join(out)
+
+
+def same_power(r: dict) -> str:
+    """The fixed n of the rounds' power; '> max' when not even the fixed design of max seeds reaches it."""
+    if "fixed_same_power_seeds" not in r:
+        return ""
+    n = r["fixed_same_power_seeds"]
+    return str(n) if n is not None else f"> {r['case']['max_seeds']}"
 
 
 def sd(c: dict) -> str:
