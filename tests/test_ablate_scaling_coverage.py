@@ -3,7 +3,7 @@ known laws (E > 0; two variants whose curves cross inside the ladder, or beyond 
 best LR picked from 3, one variant's true best off the grid; 1.5% seed noise) through scaling_stats.analyse, the
 code behind every figure of the report (tests/test_ablate_scaling.py checks that the report prints analyse's
 figures for a study run through `ablate run`). Vectorised: each regime's studies in one call
-(analysis/scaling_coverage.py; `attnlab ablate scaling-coverage` writes the full table, docs/scaling_coverage.md).
+(analysis/scaling_coverage.py; `attnlab ablate scaling-coverage` prints the full table, docs/scaling.md shows it).
 
 Each was seen failing on the code before issue 44 (its fit_power_law / fit_curves / crossing, on the same
 synthetic studies): at 3 sizes it printed alpha, L at 10x and 100x and a crossing (the two-parameter form), none

@@ -141,7 +141,7 @@ def add_ablate_commands(subparsers: Any) -> argparse.ArgumentParser:
     coverage = sub.add_parser("scaling-coverage", help="synthetic studies with known laws through ablate scaling's "
                                                        "statistics: how often each interval holds (docs/scaling.md)")
     for flag, default, text in (("--studies", 400, "simulated studies per regime and truth"),
-                                ("--out", "docs/scaling_coverage.md", "the table (and the raw numbers as .json)")):
+                                ("--out", "docs/scaling_coverage.json", "the raw numbers (JSON)")):
         coverage.add_argument(flag, type=type(default), default=default, help=text)
     return ab
 

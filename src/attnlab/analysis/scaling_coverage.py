@@ -8,7 +8,7 @@ for one variant), times a log-normal seed noise of 1.5% (about the demo's spread
 `inside`, whose curves cross inside the ladder, and `beyond`, whose curves cross between the largest run and 100x
 it. A printed interval covers when it holds the true value (a crossing printed where the truth has none in range
 misses); the held-out check's interval of the error holds 0 when the law is right, so its coverage is 1 minus its
-false-alarm rate. `attnlab ablate scaling-coverage` writes the table (docs/scaling_coverage.md).
+false-alarm rate. `attnlab ablate scaling-coverage` prints the table (docs/scaling.md shows it).
 """
 
 from __future__ import annotations
@@ -133,12 +133,12 @@ def coverage_table(studies: int = 400, seed: int = 0, mode: EMode | None = None)
 
 
 def write_coverage(studies: int, out: Path, command: str, seed: int = 0) -> str:
+    """The table as printed (docs/scaling.md shows it), the raw numbers in `out` (JSON)."""
     table, raw = coverage_table(studies, seed)
-    text = (f"Coverage of `ablate scaling`'s 95% intervals on synthetic studies ({studies} per row; `{command}`): "
-            "each cell is the share of printed intervals that hold the truth, and in brackets the share of "
-            "(study, variant) cells where it is printed; `withheld`: the share where no extrapolation is given "
-            "(fewer than 4 sizes).\n\n" + table + "\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
-    return f"{text}\nwritten: {out}, {out.with_suffix('.json')}"
+    out.write_text(json.dumps({"command": command, "studies": studies, "coverage": raw}, indent=1), encoding="utf-8")
+    return (f"Coverage of ablate scaling's 95% intervals, {studies} synthetic studies a row (`{command}`): each cell "
+            "the share of printed intervals that hold the truth (the held-out error's: 0), in brackets the share of "
+            "the cells where it is printed; withheld: the share of (study, variant) cells with no extrapolation."
+            "\n\n"
+            f"{table}\n\nwritten: {out}")

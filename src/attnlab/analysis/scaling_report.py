@@ -263,7 +263,9 @@ def write_csv(path: Path, st: ScalingStudy, r: ScalingResult, crosses: list) -> 
             rows.append(["fit", name, "", "withheld", "", "", "", "", why])
         else:
             for q, e in [("alpha", r.alpha), ("E", r.e), *[(f"L at {m}x", r.at[m]) for m in MULTIPLES]]:
-                rows.append(["fit", name, "", q, *_num(e, (0, v)), labels, ""])
+                fixed = q == "E" and r.e_mode.kind == "prior" and r.e_mode.sd == 0  # given, not estimated
+                rows.append(["fit", name, "", q, *(_num(e, (0, v))[:1] + ["", ""] if fixed else _num(e, (0, v))),
+                             labels, "fixed" if fixed else ""])
         if r.fitted[0, v]:
             check = "failed" if r.failed[0, v] else "passed" if np.isfinite(r.heldout_err.lo[0, v]) else "no interval"
             for q, e in (("predicted", r.heldout_pred), ("measured", r.heldout_meas), ("error %", r.heldout_err)):
