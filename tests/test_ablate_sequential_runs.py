@@ -90,6 +90,13 @@ def round_evaluate(exp, run_dir):
             "test_bleu": s["bleu"], "test_chrf": s["chrf"]}
 
 
+def sequential_p(r) -> bool:
+    """Whether each comparison's p is its repeated p-value, above the fixed-sample p of the round it stopped at (a
+    sequential boundary asks for less than the level at every round), unless both are 1."""
+    rep = r.replay
+    return bool(((rep.p_repeated[0] > rep.p_raw[0]) | (rep.p_raw[0] >= 0.999)).all())
+
+
 def trained(study_dir: Path) -> list[tuple[str, int]]:
     """(config hash, seed) of every fit that ran to its end."""
     starts, ends = read_calls(study_dir)
@@ -173,6 +180,7 @@ def test_until_decided_on_a_bleu_study_is_the_replay_of_its_texts(tmp_path, caps
     assert r.population == "sample" and r.replay.rounds == want.rounds
     assert r.replay.p_adjusted[0] == pytest.approx(want.p_adjusted[0], rel=1e-9)
     assert r.replay.low[0] == pytest.approx(want.low[0], rel=1e-9) and (r.replay.state == want.state).all()
+    assert sequential_p(r), "the table's p is the fixed-sample p of the round, not its repeated p-value"
     for i in range(4):
         d = {1: "better", 2: "worse"}.get(int(want.state[0, i]), "")
         assert re.search(rf"\| n_heads={2 * i + 4} \|.* \| {want.p_adjusted[0, i]:.3g}\*? \(n=\d\) \|.*\| {d}", out)
@@ -202,6 +210,7 @@ def test_packed_workers_killed_at_any_moment_resume_the_rounds_and_train_no_seed
     h, ref = connect(spec, study_dir), connect(spec, tmp_path / "reference")
     r, want = replayed(h), replayed(ref)
     assert (r.replay.state == want.replay.state).all() and (r.replay.seeds[-1] == want.replay.seeds[-1]).all()
+    assert r.replay.stopped[0].tolist() == [2, 3, 3] and sequential_p(r)  # test A's rounds
     complete: dict[str, int] = {}
     for t in h.study.get_trials(states=(TrialState.COMPLETE,)):
         complete[t.user_attrs["point_id"]] = complete.get(t.user_attrs["point_id"], 0) + 1
@@ -238,7 +247,7 @@ def test_rounds_run_as_chained_slurm_arrays(slurm_cluster, tmp_path, monkeypatch
     assert {t.user_attrs["slurm_job"].partition("_")[0] for t in h.study.get_trials()} == {
         json.loads(line)["job"] for line in jobs.read_text().splitlines()
         if json.loads(line)["script"].endswith("worker.sbatch")}
-    assert len(h.study.get_trials(states=(TrialState.COMPLETE,))) == r.trainings()
+    assert len(h.study.get_trials(states=(TrialState.COMPLETE,))) == r.trainings() and sequential_p(r)
     capsys.readouterr()
     assert main(["ablate", "status", str(study_dir)]) == 0
     out = capsys.readouterr().out
