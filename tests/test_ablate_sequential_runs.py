@@ -190,20 +190,24 @@ def test_until_decided_on_a_bleu_study_is_the_replay_of_its_texts(tmp_path, caps
 @pytest.mark.slow
 def test_packed_workers_killed_at_any_moment_resume_the_rounds_and_train_no_seed_twice(tmp_path, worker_env,  # noqa: F811
                                                                                       monkeypatch):
-    """`ablate run --workers 2` on a study in rounds, each worker SIGKILLed by its own hand (ablate/faults.py) at its
-    2nd result: the fit has run to its end, its trial is not yet COMPLETE, so the round it belongs to cannot be
-    looked at. The next run (one worker) resumes: it collects those two fits without training them again, looks at
-    the rounds and runs them to the end. Every point the rounds need has exactly one result, no fit ran to its end
-    twice, no seed beyond the rounds was trained, and the decisions are those of an uninterrupted run."""
+    """Two `ablate worker` processes on one study in rounds, packed on this machine, each SIGKILLed by its own hand
+    (ablate/faults.py) at its 2nd result: the fit has run to its end, its trial is not yet COMPLETE, so the round it
+    belongs to cannot be looked at. The next run resumes: it collects those two fits without training them again,
+    looks at the rounds and runs them to the end. Every point the rounds need has exactly one result, no fit ran to
+    its end twice, no seed beyond the rounds was trained, and the decisions are those of an uninterrupted run."""
     monkeypatch.setenv("FAKE_SLEEP", "0.1")
     spec = load_spec(write_study(tmp_path, ROUNDS))
     study_dir = tmp_path / "study"
     deaths = tmp_path / "deaths.jsonl"
-    killed = subprocess.run([sys.executable, "-m", "attnlab", "ablate", "run", str(spec.path), "--dir", str(study_dir),
-                             "--workers", "2", "--fit", FIT, "--heartbeat", "1", "--grace", "5", "--poll", "0.2"],
-                            env={**os.environ, "ATTNLAB_DIE_AT": "recording:2", "ATTNLAB_DIE_LOG": str(deaths)},
-                            capture_output=True, text=True, timeout=120)
-    assert killed.returncode == 1 and "worker exit codes: [-9, -9]" in killed.stderr, killed.stderr[-3000:]
+    worker = [sys.executable, "-m", "attnlab", "ablate", "worker", str(spec.path), "--dir", str(study_dir), "--fit",
+              FIT, "--heartbeat", "1", "--grace", "5", "--poll", "0.2"]
+    env = {**os.environ, "ATTNLAB_DIE_AT": "recording:2", "ATTNLAB_DIE_LOG": str(deaths)}
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
+    workers = [subprocess.Popen(worker, env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    assert [p.wait(timeout=120) for p in workers] == [-9, -9], [(tmp_path / f"worker{i}.log").read_text()[-2000:]
+                                                                for i in range(2)]
+    for log in logs:
+        log.close()
     assert [json.loads(line)["moment"] for line in deaths.read_text().splitlines()] == ["recording"] * 2
     assert run_study(spec, study_dir, opts=OPTS, fit=round_fit) == {"done": 15, "not needed": 5}
     run_study(spec, tmp_path / "reference", opts=OPTS, fit=round_fit)
