@@ -258,3 +258,46 @@ def test_rounds_run_as_chained_slurm_arrays(slurm_cluster, tmp_path, monkeypatch
     assert f"decided after {r.replay.rounds} round(s)" in out and f"d_ff=96: {r.state(0)}" in out
     assert main(["ablate", "submit", str(spec.path), "--dir", str(study_dir), "--fit", FIT]) == 0
     assert "every comparison is decided" in capsys.readouterr().out
+
+
+def test_submit_wait_submits_each_round_when_its_array_ends(tmp_path, monkeypatch, capsys):
+    """`ablate submit --wait` on a study in rounds, against a stand-in for sbatch and squeue: it submits round 1 as an
+    array whose workers claim no later round (--max-round 1), waits for it to leave the queue (here: the array's
+    workers run in this process while it waits), submits round 2, and so on until every comparison is decided;
+    an array that ends without starting a trial is not submitted again."""
+    from attnlab.ablate import submit
+    from attnlab.ablate.runner import work
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\nn=$(( $(cat "$0.n" 2>/dev/null || echo 100) + 1 ))\necho $n > '
+                                    '"$0.n"\necho "$@" >> "$0.log"\necho $n\n')
+    (bin_dir / "squeue").write_text("#!/bin/bash\nexit 0\n")  # every job has left the queue
+    for f in ("sbatch", "squeue"):
+        (bin_dir / f).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    spec = load_spec(write_study(tmp_path, ROUNDS))
+    study_dir = tmp_path / "study"
+    rounds: list[int] = []
+
+    def array_runs(job: str, poll_s: float = 10.0) -> None:  # the array's one worker, as SLURM would run it
+        script = sorted((study_dir / "slurm").glob("submit-*/worker.sbatch"))[-1].read_text()
+        rounds.append(int(re.search(r"--max-round (\d+)", script).group(1)))
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_ARRAY_JOB_ID", job)
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+        opts = Options(fit=FIT, heartbeat_s=1, grace_s=2, poll_s=0.2, linger=False, max_round=rounds[-1])
+        work(connect(spec, study_dir), opts, round_fit)
+        for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+            monkeypatch.delenv(name)
+
+    monkeypatch.setattr(submit, "wait_job", array_runs)
+    assert main(["ablate", "submit", str(spec.path), "--dir", str(study_dir), "--fit", FIT, "--wait"]) == 0
+    r = replayed(connect(spec, study_dir))
+    assert r.done and rounds == [1, 2, 3] and r.replay.stopped[0].tolist() == [2, 3, 3] and sequential_p(r)
+    assert "every comparison is decided" in capsys.readouterr().out
+    assert len((bin_dir / "sbatch.log").read_text().splitlines()) == 3  # one array a round, no chained job
+    monkeypatch.setattr(submit, "wait_job", lambda job, poll_s=10.0: None)  # an array whose workers never start
+    spec = load_spec(write_study(tmp_path, ROUNDS, name="other"))
+    assert main(["ablate", "submit", str(spec.path), "--dir", str(tmp_path / "other"), "--fit", FIT, "--wait"]) == 1
+    assert "ended without starting a trial; not submitting again" in capsys.readouterr().out

@@ -99,8 +99,10 @@ def submit_round(args: argparse.Namespace) -> tuple[int, str | None, Any]:
     except ConfigError:  # recorded elsewhere, not (yet) in this storage
         h = None
     if h is not None:
-        if getattr(args, "after", None):
-            release_array(h, args.after)
+        if getattr(args, "after", None) and not release_array(h, args.after):
+            print(f"{spec.name}: the array job {args.after} ended without starting a trial; not submitting again (see "
+                  f"its logs in {study_dir / 'slurm'})")
+            return 1, None, spec
         spec = h.spec  # with the rounds it records
         counts = round_counts(h) or status_counts(h)  # in rounds: only what the round under way needs is pending
         todo = counts.get("pending", 0) + (spec.n_trials - sum(counts.values()) if spec.is_search else 0)
@@ -169,12 +171,18 @@ def load_run_spec(args: argparse.Namespace) -> Any:
     return spec
 
 
-def release_array(h: Any, job: str) -> None:
+def release_array(h: Any, job: str) -> int:
     """The chained job of a study in rounds starts once the array `job` has ended: its trials still RUNNING (their
-    workers killed with it) are recorded as interrupted, so the next round takes them up at once."""
-    for t in h.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if str(t.user_attrs.get("slurm_job", "")).partition("_")[0] == job:
+    workers killed with it) are recorded as interrupted, so the next round takes them up at once. Returns how many
+    trials the array started (0: its workers failed before any; submitting again would fail again)."""
+    started = 0
+    for t in h.study.get_trials(deepcopy=False):
+        if str(t.user_attrs.get("slurm_job", "")).partition("_")[0] != job:
+            continue
+        started += 1
+        if t.state == TrialState.RUNNING:
             record_interrupted(h, t._trial_id, f"its array job {job} ended")
+    return started
 
 
 def chain(args: argparse.Namespace, res: Any, spec: Any, snapshot: Path, spec_copy: Path, study_dir: Path,
