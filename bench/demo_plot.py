@@ -55,15 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         steps, loss = series(rows, "train/loss")
         loss_ax.plot(steps, loss, color=color, lw=0.8, alpha=0.8, label=name)
         steps, bleu = series(rows, "val/bleu")
-        bleu_ax.plot(steps, bleu, color=color, marker=".", lw=1, label=f"{name}: validation BLEU (greedy)")
-        last = max(int(r["step"]) for r in rows)
-        bleu_ax.plot([last], [result["bleu"]], color=color, marker="*", ms=12, ls="none")
-        bleu_ax.annotate(f"test {result['bleu']:.2f}", (last, result["bleu"]), textcoords="offset points",
-                         xytext=(-62, 6 if name.endswith("1") else -14), fontsize=8, color=color)
+        bleu_ax.plot(steps, bleu, color=color, marker=".", lw=1)
+        last = int(re.search(r"step=(\d+)", result["checkpoints_averaged"][-1])[1])  # the run's last step
+        bleu_ax.plot([last], [result["bleu"]], color=color, marker="*", ms=12, ls="none",
+                     label=f"{name}: test {result['bleu']:.2f} at step {last:,}")
     loss_ax.set(xlabel="step", ylabel="training loss", title="make demo: training loss")
     loss_ax.legend(fontsize=8)
     bleu_ax.set(xlabel="step", ylabel="BLEU", title="validation BLEU; ★ test BLEU (beam 4, 5 checkpoints averaged)")
     bleu_ax.title.set_fontsize(9)
+    bleu_ax.legend(fontsize=8, loc="lower right")
     bleu_ax.grid(alpha=0.3)
     fig.suptitle(f"{len(found)} fresh `make demo` runs, 10 minutes each on a 2-core CPU ({date})", fontsize=10)
     fig.tight_layout()
