@@ -75,8 +75,15 @@ SKIP = {  # the start of a line -> why this test does not run it
 # lines the pages of other issues are expected to hold (docs/seeds.md, docs/scaling.md): no failure while no page has
 # them, unlike the entries above, which must each match a line
 SKIP_IF_PRESENT = {
-    "attnlab ablate run ablations/scaling_demo.yaml": "36 models, 22 minutes (make scaling-demo)",
+    "attnlab ablate run ablations/scaling_demo.yaml": "the scaling demo's study, tens of minutes (make scaling-demo)",
     "attnlab ablate scaling ablations/scaling_demo.yaml": "needs the scaling study run (make scaling-demo)",
+    "attnlab ablate run ablations/demo_seeds.yaml": "trains the seeds demo's rounds, minutes on 2 cores "
+                                                    "(tests/test_ablate_sequential_runs.py runs rounds on stand-ins)",
+    "attnlab ablate status ablations/demo_seeds.yaml": "the study of the line above",
+    "attnlab ablate table ablations/demo_seeds.yaml": "the study of the line above",
+    "attnlab ablate seeds-power": "18 minutes of simulation (tests/test_ablate_sequential.py runs one small case a "
+                                  "table)",
+    "attnlab ablate submit ablations/demo_seeds.yaml --launcher slurm": "needs a SLURM cluster",
 }
 CHECKS = {  # the start of a line -> a pattern its output must match
     "attnlab fit -c experiments/quick_en_de.yaml --dry-run": r"dry run: nothing trained. Run directory: runs/quick",
