@@ -13,9 +13,9 @@ significance tests, main effects and plots.
 
 A trial is the same `attnlab.train.fit` a user runs by hand, in its own run directory, then its final evaluation.
 The modules: spec.py (the ablation file; its metric, columns and significance settings are parsed by
-attnlab.analysis.columns), study.py (the study in its optuna storage, the state of every point, a trial's stored
-values), runner.py (workers claiming and running points) with params.py (a trial's optuna params), budget.py
-(equal-FLOPs budgets), final.py (the final evaluation), submit.py (SLURM array jobs), commands.py (the
-`attnlab ablate` subcommands). Reading a finished study (tables, significance, effects, plots, scaling fits) is
-attnlab.analysis, which never imports the runner.
+attnlab.analysis.columns; its seeds, or rounds of seeds until decided, by seeds.py), study.py (the study in its
+optuna storage, the state of every point, a trial's stored values), runner.py (workers claiming and running points)
+with params.py (a trial's optuna params), budget.py (equal-FLOPs budgets), final.py (the final evaluation),
+submit.py (SLURM array jobs), commands.py (the `attnlab ablate` subcommands). Reading a finished study (tables,
+significance, effects, plots, scaling fits) is attnlab.analysis, which never imports the runner.
 """

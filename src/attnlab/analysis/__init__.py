@@ -13,6 +13,9 @@ a study; this package reads it through ablate.study and ablate.spec and never im
     effects.py         main effects and interactions (`ablate effects`); transfer.py: `ablate compare`
     ranks.py           Kendall's tau and Spearman's rho with permutation p-values and seed-resampled intervals
     power.py           size and power of the table's test by simulation (`ablate power`)
+    sequential.py      seeds until decided: rounds of seeds replayed with group-sequential boundaries (alpha
+                       spending, repeated p-values and intervals, TOST); rounds.py: a study's rounds (claims, table,
+                       status); seeds_power.py: their size, wrong equivalence and seeds spent (`ablate seeds-power`)
     stats.py           Welch's t-test (the former table's) and a mean's t interval
     figures.py         curves.png, metric.png
     scaling.py         power-law fits of loss against compute, many at once (Hoffmann et al.'s starts), seed draws
