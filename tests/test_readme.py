@@ -15,6 +15,7 @@ import contextlib
 import csv
 import io
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -37,7 +38,7 @@ PAGES = ["README.md"] + [f"docs/{n}.md" for n in ("training", "data", "decoding"
 BLOCK_REASONS = {  # a fenced block's language -> why it is not run
     "text": "a tree or printed output, not a command (tests/test_docs.py checks the layout tree)",
 }
-RUN_IN_BASH = ("printf ", "python bench/results.py")  # lines run by bash in the scratch folder (python: this one)
+RUN_HERE = ("printf ", "python bench/results.py")  # other lines run: printf by bash, a bench script in this process
 WMT = "needs the WMT14 download and the 100,000-step GPU run of the recipe"
 SKIP = {  # the start of a line -> why this test does not run it
     "make test": "runs this test suite itself",
@@ -149,14 +150,25 @@ def lines(code: str) -> list[str]:
 
 
 def run_line(line: str, cwd: Path) -> str:
-    """One command line: `attnlab ...` in this process (with < and > redirections), anything else in bash (`python`
-    being this interpreter); what it printed (stdout not redirected to a file, and stderr)."""
+    """One command line: `attnlab ...` and `python bench/<script>` in this process (attnlab with < and >
+    redirections), anything else in bash; what it printed (stdout not redirected to a file, and stderr)."""
     words = shlex.split(line, comments=True)
     if not words:
         return ""
+    if words[0] == "python" and words[1].startswith("bench/") and "|" not in words:  # a bench script, in-process
+        out, err = io.StringIO(), io.StringIO()
+        saved_argv, sys.argv = sys.argv, words[1:]
+        sys.path.insert(0, str((cwd / words[1]).resolve().parent))  # as python does for a script: its imports
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                runpy.run_path(str(cwd / words[1]), run_name="__main__")
+        except SystemExit as e:
+            assert e.code in (0, None), f"{line}: exit {e.code}\n{err.getvalue()}"
+        finally:
+            sys.argv = saved_argv
+            sys.path.pop(0)
+        return out.getvalue() + err.getvalue()
     if words[0].removeprefix(".venv/bin/") != "attnlab":
-        if words[0] == "python":
-            line = shlex.quote(sys.executable) + line.removeprefix("python")
         r = subprocess.run(["bash", "-c", line], cwd=cwd, check=True, timeout=60, capture_output=True, text=True)
         return r.stdout + r.stderr
     argv, stdin, stdout = [], None, None
@@ -190,7 +202,7 @@ def test_every_block_and_line_is_run_or_skipped_for_a_reason():
     assert not unknown, f"fenced blocks in a language this test neither runs nor has a reason for: {unknown}"
     commands = [line for _, lang, code in found if lang == "bash" for line in lines(code)]
     for line in commands:
-        assert skipped(line) or line.startswith(("attnlab ", *RUN_IN_BASH)), line[:200]
+        assert skipped(line) or line.startswith(("attnlab ", *RUN_HERE)), line[:200]
     stale = [start for start in SKIP if not any(line.startswith(start) for line in commands)]
     assert not stale, f"SKIP entries that match no line: {stale}"
     unchecked = [start for start in CHECKS if not any(line.startswith(start) for line in commands)]
