@@ -48,7 +48,7 @@ SKIP = {  # the start of a line -> why this test does not run it
     "attnlab ablate run ablations/demo_significance.yaml": "trains 6 models and evaluates them, 18 minutes "
                                                            "(here: trained by fakes before the blocks)",
     "make ablate-demo": "the 18-minute run above",
-    "make scaling-demo": "36 models, 22 minutes (tests/test_ablate_scaling.py runs a scaling study on a stand-in)",
+    "make scaling-demo": "72 models, 17 minutes (tests/test_ablate_scaling.py runs a scaling study on a stand-in)",
     "pip install optuna-dashboard": "installs from the network",
     "pip install 'attnlab[ctranslate2]'": "installs from the network (make test installs it with the dev extra)",
     "optuna-dashboard": "serves a dashboard",

@@ -30,11 +30,17 @@ def plot_scaling(path: Path, st: ScalingStudy, r: ScalingResult) -> Figure:
         pts = np.where((best >= 0)[:, None], pts, np.nan)
         c = np.broadcast_to(np.exp(logc[v])[:, None], pts.shape)
         labels = [x for x, on in (("edge", r.edge[0, v].any()), ("held-out check failed: unreliable",
-                                                                 r.failed[0, v])) if on]
+                                                                 r.failed[0, v]),
+                                  ("no fit: < 4 sizes", not r.fitted[0, v]),
+                                  ("no extrapolation: E not identified", r.fitted[0, v] and not r.identified[0, v]))
+                  if on]
         ax.scatter(c, pts, s=12, color=color, label=name + (f" ({'; '.join(labels)})" if labels else ""))
         if np.isfinite(r.params[0, v]).all():
             fit = predict(r.params[0, v], grid[:, None], r.scale)[:, 0]
-            ax.plot(np.exp(grid), fit, color=color, lw=1.4)
+            inside = grid <= math.log(r.c_max)
+            ax.plot(np.exp(grid[inside]), fit[inside], color=color, lw=1.4)
+            ax.plot(np.exp(grid[~inside]), fit[~inside], color=color, lw=1.4 if not r.failed[0, v] else 0.9,
+                    ls="-" if not r.failed[0, v] else ":")  # an extrapolation the held-out check contradicts: dotted
             draws = predict(r.draw_params[0, :, v][:, None, :], grid[None, :, None], r.scale)[..., 0]  # (D, G)
             lo, hi = interval(fit, draws.T, r.prob, r.n_seeds, r.exact)
             ax.fill_between(np.exp(grid), lo, hi, color=color, alpha=0.15, lw=0)
@@ -63,8 +69,8 @@ def plot_scaling(path: Path, st: ScalingStudy, r: ScalingResult) -> Figure:
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel(st.metric)
     mode = f"; {r.e_mode.label}" if r.e_mode.label else ""
-    ax.set_title(f"{st.name}: fits and 95% bands to 100x (solid); the fit without the largest size (dashed) and its "
-                 f"prediction (x){mode}", fontsize=8)
+    ax.set_title(f"{st.name}: fits and 95% bands to 100x (dotted: the held-out check failed); without the largest size "
+                 f"(dashed) and its prediction (x){mode}", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.savefig(path, dpi=110, bbox_inches="tight")
