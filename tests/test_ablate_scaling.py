@@ -226,6 +226,9 @@ def test_ablate_scaling_on_a_run_study_extends_the_lr_edge_reports_the_hole_and_
     assert re.search(r"\| L \| [0-9K/]+ \| [0-9.]+ \[[0-9.]+, [0-9.]+\] at LR 0.001 \| ", out), out
     assert main(["ablate", "compare", str(spec.path), "--dirs", str(tmp_path / "study")]) == 0
     assert "2 variant(s) at both: too few for a rank correlation" in capsys.readouterr().out
+    # a seed with no finished trial (seed 3, never run) is neither drawn nor counted in n (it narrowed the intervals)
+    three_seeds = load_spec(write_study(tmp_path, SIZES.replace("seeds: [1, 2]", "seeds: [1, 2, 3]"), base=BASE))
+    assert collect(connect(three_seeds, tmp_path / "study")).seeds == [1, 2]
 
 
 def test_e_shared_or_given_by_a_prior_labels_every_figure_that_depends_on_it(tmp_path, capsys):
