@@ -40,8 +40,8 @@ DRAW_STARTS = 15  # a draw's fit starts at the full data's fit and every 10th of
 
 @dataclass(frozen=True)
 class EMode:
-    """How E is fitted: `free` (per variant), `shared` (one E for all variants), or a prior (mean, sd: sd 0 fixes
-    E); every figure that depends on it is labelled with `label`."""
+    """How E is fitted: `free` (per variant), `shared` (one E for all variants), or each variant's E held near a prior
+    (mean, sd: sd 0 fixes E); every figure that depends on it is labelled with `label`."""
 
     kind: str = "free"  # free | shared | prior
     mean: float = 0.0
@@ -152,20 +152,19 @@ def _fit(logl: np.ndarray, wts: np.ndarray, x: np.ndarray, mode: EMode, noise: f
     s, d, v, k, n = logl.shape
     xs = np.broadcast_to(x[:, :, None], (v, k, n))
     has = (wts.sum(-1) > 0).sum(-1)  # (S, D, V) sizes present
-    if mode.kind == "free":
+    if mode.kind != "shared":  # each variant its own E: free, or held near the prior (each variant's own)
         lay = Layout(np.zeros(k * n, int), np.zeros(1, int))
+        if mode.kind == "prior" and mode.sd == 0:
+            lay = Layout(lay.curve, lay.group, fixed_e=np.array([math.log(mode.mean)]))
+        elif mode.kind == "prior":
+            lay = Layout(lay.curve, lay.group, prior=(np.array([mode.mean]), np.array([mode.sd]), noise))
         st = hoffmann_starts(scale) if starts is None else np.concatenate(
             [starts[..., None, :], np.broadcast_to(hoffmann_starts(scale)[::10], starts.shape[:-1] + (DRAW_STARTS, 3))],
             -2)
         p = fit_many(xs.reshape(v, k * n), logl.reshape(s, d, v, k * n), wts.reshape(s, d, v, k * n), lay, st)
         out = curve_params(p, lay)[..., 0, :]  # (S, D, V, 3)
     else:
-        lay = Layout(np.repeat(np.arange(v), k * n), np.zeros(v, int))
-        if mode.kind == "prior":
-            if mode.sd == 0:
-                lay = Layout(lay.curve, lay.group, fixed_e=np.array([math.log(mode.mean)]))
-            else:
-                lay = Layout(lay.curve, lay.group, prior=(np.array([mode.mean]), np.array([mode.sd]), noise))
+        lay = Layout(np.repeat(np.arange(v), k * n), np.zeros(v, int))  # one E for all variants
         grid = hoffmann_starts(scale, v, 1)
         st = grid if starts is None else np.concatenate([starts[..., None, :], np.broadcast_to(
             grid[::10], starts.shape[:-1] + (DRAW_STARTS, grid.shape[-1]))], -2)
@@ -176,7 +175,7 @@ def _fit(logl: np.ndarray, wts: np.ndarray, x: np.ndarray, mode: EMode, noise: f
 
 def _flat_start(params: np.ndarray, mode: EMode) -> np.ndarray:
     """(S, 1, V, 3) full fits -> the starts of the draws' fits in each mode's parameter layout."""
-    if mode.kind == "free":
+    if mode.kind != "shared":
         return params
     return np.concatenate([params[..., 0], params[..., 1], params[..., :1, 2]], -1)  # (S, 1, 2V + 1)
 
