@@ -21,7 +21,7 @@
 #   3 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes, checkpoints
 #                     averaged at the lowest validation loss, beam-4 test BLEU and chrF (attnlab demo)
 #                                                                        -> base_bleu.json, base_translations.jsonl
-#   4 base_peer       the hand-written torch.nn.Transformer peer (carried: peers/peer_demo.py) for 5 minutes on
+#   4 base_peer       the hand-written torch.nn.Transformer peer (carried: peers/peer_demo.py) for 5 minutes (--minutes) on
 #                     base_bleu's own split, scored on the same test sentences; run on the machine of part 3
 #                                                                                -> base_peer.json, base_vs_peer.json
 #   5 ablation        ablations/demo_norm_ffn.yaml packed on the GPU at each --workers-per-gpu (default 8,16)
@@ -39,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=0; OUT=""; LOCALE=""; WHEELS=""; CARRY=""; PY="${PYTHON:-}"; ONLY=""; PART=""; WPG=""; SEEDS=""; BASE_ARGS=""
+DRY=0; OUT=""; LOCALE=""; WHEELS=""; CARRY=""; PY="${PYTHON:-}"; ONLY=""; PART=""; WPG=""; SEEDS=""; BASE_ARGS=""; MINUTES=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -53,6 +53,7 @@ while [ $# -gt 0 ]; do
     --workers-per-gpu) WPG="$2"; shift ;;  # the ablation step's trials at once on the GPU, comma-separated
     --seeds) SEEDS="$2"; shift ;;          # the ablation step's seeds, comma-separated (default: the spec's)
     --base-args) BASE_ARGS="$2"; shift ;;  # more overrides for base_fit's and base_bleu's runs (one string)
+    --minutes) MINUTES="$2"; shift ;;      # base_bleu's and base_peer's training time, the same for both (default 5)
     -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -191,6 +192,11 @@ else
   IFS=, read -r -a WPG_LIST <<< "${WPG:-8,16}"
   L_TESTS=180; L_COMPILE=420; L_BENCH=180; L_CT2=240; L_PEER=480; L_ABL=300
 fi
+if [ -n "$MINUTES" ]; then  # a shorter like-for-like pair: attnlab's base model and the peer get the same minutes
+  [[ "$MINUTES" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "gpu_run.sh: --minutes $MINUTES: give a number of minutes" >&2; exit 2; }
+  BASE_TIME=$MINUTES
+  for i in "${!PEER_ARGS[@]}"; do [ "${PEER_ARGS[$i]}" = --minutes ] && PEER_ARGS[$((i + 1))]=$MINUTES; done
+fi
 
 # ---- part 1: the GPU tests; compiled training with and without the fused loss, beside x-transformers
 step gpu_tests $L_TESTS "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
@@ -232,7 +238,7 @@ step decode_ct2 $L_CT2 "${CT2_ENV[@]}" "$PY" bench/decode_vs_ct2.py \
   --ckpt "$BASE_FIT_RUN/checkpoints/last.ckpt" "${CT2[@]}" --json "$OUT/decode_ct2.json"
 
 # ---- part 3: the base model for BLEU: train, average, beam-4 test BLEU and chrF (attnlab demo does all three)
-step base_bleu $((90 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo "${BASE[@]}" --trainer.run_name gpu_base \
+step base_bleu $((150 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo "${BASE[@]}" --trainer.run_name gpu_base \
   --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
 if wanted base_bleu; then
   copy_if "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
