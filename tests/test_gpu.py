@@ -434,3 +434,44 @@ def test_a_deterministic_fit_repeats_bit_for_bit(tmp_path):
         weights.append(ckpt["state_dict"])
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_background_checkpoint_write_during_a_cuda_graph_capture(tmp_path, monkeypatch):
+    """trainer.checkpoint_writes background: the writer thread pickles a host snapshot and makes no CUDA call, so a
+    write that runs while the training thread captures a CUDA graph (validation's beam step) leaves the capture
+    whole. The 2026-11-26 H100 fit died at its first validation when the thread moved a device copy to the host."""
+    import threading
+
+    import attnlab.checkpoint_io as cio
+
+    capturing, written = threading.Event(), threading.Event()
+    real = cio.save_atomic
+
+    def during_capture(obj, path):
+        capturing.wait(30)
+        real(obj, path)
+        written.set()
+
+    monkeypatch.setattr(cio, "save_atomic", during_capture)
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, device="cuda")
+    io = cio.AtomicCheckpointIO(background=True)
+    io.save_checkpoint({"state_dict": {"w": w}, "optimizer_states": [{"m": torch.randn(1000, device="cuda")}]},
+                       tmp_path / "c.ckpt")
+    x = torch.randn(256, 256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture
+        x @ w
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture_error_mode "global": any thread's unsafe CUDA call fails it
+        y = x @ w
+        capturing.set()
+        assert written.wait(30), "the checkpoint thread did not finish its write during the capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    io.teardown()
+    saved = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    assert saved["state_dict"]["w"].device.type == "cpu" and torch.equal(saved["state_dict"]["w"], w.cpu())
+    assert torch.allclose(y, x @ w)

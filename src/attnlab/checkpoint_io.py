@@ -2,11 +2,15 @@
 
 - `AtomicCheckpointIO`: every file through `checkpoints.save_atomic` (a kill leaves the previous file whole),
   stamped with this code's layout; a resume reads the file migrated to it. With `background=True` the save takes a
-  point-in-time copy of the state's tensors on their device (a device-to-device copy: about a millisecond for the
-  base model's 580 MB of weights and AdamW moments on an H100) and a thread writes the file while training goes
-  on: the device-to-host copy, pickling, fsync and rename, about 1.3 s for that state here, were 1 step in 8 of the
-  5-minute base run's wall clock at a checkpoint every 10 s. One write is in flight at a time: a save waits for
-  the one before. An error in the thread (a full disk) is raised at the next save or when the fit ends.
+  point-in-time copy of the state's tensors in host memory, in the training thread (`host_snapshot`: one
+  device-to-host copy into pinned buffers and one wait), and a thread writes the file while training goes on:
+  pickling, fsync and rename, which with the copy were about 1.3 s for the base model's 580 MB of weights and AdamW
+  moments, 1 step in 8 of the 5-minute base run's wall clock at a checkpoint every 10 s. The writer thread makes no
+  CUDA call: one made while the training thread captures a CUDA graph (validation's beam step, decode.cuda_graph)
+  fails that capture. An earlier version copied on the device and let the thread move the copy to the host; the
+  H100 fit of 2026-11-26 (bench/results/h100_2026-11-26c_*) died at its first validation of it. One write is in
+  flight at a time: a save waits for the one before. An error in the thread (a full disk) is raised at the next
+  save or when the fit ends.
 - `after_writes(trainer, fn)`: fn once every save queued before it is on disk (at once in the foreground). What
   reads a checkpoint just saved goes through it: last.ckpt copied from the step checkpoint, the best window's
   links (best_window.py).
@@ -50,8 +54,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             save_atomic(stamped, path)
             return
         self.wait()  # one write in flight: the snapshot held besides the live state is one, and errors surface here
-        # a point-in-time copy: the optimizer steps on while the thread writes (containers are rebuilt too)
-        snapshot = apply_to_collection(stamped, torch.Tensor, lambda t: t.detach().clone())
+        snapshot = host_snapshot(stamped)  # the optimizer steps on while the thread writes
         self.after(lambda: save_atomic(snapshot, path))
 
     def after(self, fn: Callable[[], Any]) -> None:
@@ -89,6 +92,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 pool, self._pool = self._pool, None
             if pool is not None:
                 pool.shutdown(wait=True)
+
+
+def host_snapshot(state: Any) -> Any:
+    """A point-in-time copy of every tensor in `state` in host memory (containers rebuilt), made in the calling
+    thread so that whoever pickles it needs no device: CUDA tensors go into pinned buffers (PyTorch's caching host
+    allocator reuses them from one checkpoint to the next) without a wait each, then one wait per device."""
+    devices: set[torch.device] = set()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        out.copy_(t, non_blocking=t.is_cuda)
+        devices.add(t.device)
+        return out
+
+    snapshot = apply_to_collection(state, torch.Tensor, copy)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the non-blocking copies have landed before the thread reads them
+    return snapshot
 
 
 def after_writes(trainer, fn: Callable[[], Any]) -> None:
