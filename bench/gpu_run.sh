@@ -110,9 +110,10 @@ LOCALE="$(cd "$LOCALE" && pwd)"
 
 # ------------------------------------------------------------------------------------------------ steps
 export PYTHONUNBUFFERED=1
-# the commit every JSON names (bench/harness.py's provenance): git's, or where the tree came without .git (a copy
-# on a lent machine) ATTNLAB_GIT_COMMIT / ATTNLAB_GIT_DIRTY as the caller set them
-if git rev-parse HEAD >/dev/null 2>&1; then
+# the commit every JSON names (bench/harness.py's provenance): ATTNLAB_GIT_COMMIT / ATTNLAB_GIT_DIRTY as the caller
+# set them (a lent machine's copy of the tree may come with a .git whose HEAD is not the tree's: on 2026-11-26 it
+# said f737cdd for a tree of 90e7d2e), else git's
+if [ -z "${ATTNLAB_GIT_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
   export ATTNLAB_GIT_COMMIT="$(git rev-parse HEAD)"
   export ATTNLAB_GIT_DIRTY="$(git diff --quiet HEAD 2>/dev/null && echo false || echo true)"
 fi

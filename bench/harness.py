@@ -199,9 +199,9 @@ def write_record(path: Path, record: dict, argv: list[str], device: torch.device
 
 def provenance(argv: list[str], device: torch.device | str | None = None, started: float | None = None) -> dict:
     """Where a result comes from (`PROVENANCE_KEYS`), None for what this machine cannot tell:
-    git_commit, git_dirty   HEAD of the checkout the script runs from, and whether a tracked file differs from
-                            it (untracked files are not counted); outside a git checkout (a copy of the tree on
-                            a device machine) ATTNLAB_GIT_COMMIT / ATTNLAB_GIT_DIRTY (true/false) if set, else None
+    git_commit, git_dirty   ATTNLAB_GIT_COMMIT / ATTNLAB_GIT_DIRTY (true/false) where set (whoever copied the tree
+                            to a device machine says what it is), else HEAD of the checkout the script runs from
+                            and whether a tracked file differs from it (untracked files not counted), else None
     device                  the GPU's name on CUDA, else the CPU's model ("CPU: ..."); None: CUDA if present
     nvidia_driver           nvidia-smi's driver_version, else /proc/driver/nvidia/version's; None without either
     torch, cuda             torch.__version__, torch.version.cuda (None on a CPU build)
@@ -228,10 +228,11 @@ def git_state() -> tuple[str | None, bool | None]:
             return None
         return r.stdout if r.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
-    if commit is None:  # not a checkout: what whoever copied the tree says, if anything
+    told = os.environ.get("ATTNLAB_GIT_COMMIT")
+    commit = None if told else git("rev-parse", "HEAD")
+    if commit is None:  # what whoever copied the tree says, if anything (a copy's .git may not be the tree's)
         dirty = os.environ.get("ATTNLAB_GIT_DIRTY", "").lower()
-        return os.environ.get("ATTNLAB_GIT_COMMIT") or None, {"true": True, "false": False}.get(dirty)
+        return told or None, {"true": True, "false": False}.get(dirty)
     status = git("status", "--porcelain", "--untracked-files=no")
     return commit.strip(), None if status is None else bool(status.strip())
 

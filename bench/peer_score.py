@@ -17,7 +17,10 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
+
+from harness import write_record
 
 from attnlab.bleu import sacrebleu_bleu
 from attnlab.evaluate import score
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tgt-lang", default="de")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    started = time.time()
     srcs, refs = read_split(args.test_jsonl)
     if not args.peer_hyps.is_file():
         raise SystemExit(f"{args.peer_hyps}: no peer hypotheses (did the peer run finish?)")
@@ -101,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         if name in out:
             print(f"{name:8s} BLEU {out[name]['bleu']:6.2f}  chrF {out[name]['chrf']:6.2f}  "
                   f"on {out[name]['sentences']} sentences")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2, ensure_ascii=False), encoding="utf-8")
+    if args.json:  # with its provenance: the machine the peer ran on (gpu_run.sh scores where the peer ran)
+        write_record(args.json, out, [Path(__file__).name, *(sys.argv[1:] if argv is None else argv)], None, started)
     return out
 
 

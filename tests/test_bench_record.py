@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shutil
 import sys
@@ -26,7 +27,7 @@ import results  # noqa: E402
 import sdpa_variable_shapes  # noqa: E402
 
 SCRIPTS = ["train_throughput.py", "decode_throughput.py", "decode_vs_ct2.py", "data_throughput.py",
-           "padded_attention.py", "sdpa_variable_shapes.py", "fit_vs_bench.py"]
+           "padded_attention.py", "sdpa_variable_shapes.py", "fit_vs_bench.py", "peer_score.py"]
 
 
 def check_provenance(path: Path, argv: list[str] | None = None) -> dict:
@@ -56,8 +57,10 @@ def test_every_bench_script_writes_its_json_through_the_harness():
 
 
 def test_provenance_without_git_or_gpu(tmp_path, monkeypatch):
-    """Outside a git checkout (a copy of the tree on a device machine) the commit comes from ATTNLAB_GIT_COMMIT;
+    """The commit comes from ATTNLAB_GIT_COMMIT where set (a copy of the tree on a device machine), even inside a
+    checkout, else from git;
     without nvidia-smi or the driver's /proc file the driver is None; packages not installed are None."""
+    path = os.environ["PATH"]
     monkeypatch.setattr(harness, "REPO", tmp_path)
     monkeypatch.setenv("ATTNLAB_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     monkeypatch.setenv("ATTNLAB_GIT_DIRTY", "false")
@@ -68,6 +71,11 @@ def test_provenance_without_git_or_gpu(tmp_path, monkeypatch):
     assert prov["cuda"] == torch.version.cuda and harness.installed("no-such-package-attnlab") is None
     if not Path("/proc/driver/nvidia/version").exists():
         assert prov["nvidia_driver"] is None
+    monkeypatch.setattr(harness, "REPO", Path(__file__).resolve().parent.parent)  # a checkout: the caller's word wins
+    monkeypatch.setenv("PATH", path)
+    assert harness.git_state() == ("0123456789abcdef0123456789abcdef01234567", False)
+    monkeypatch.delenv("ATTNLAB_GIT_COMMIT")
+    assert harness.git_state()[0] != "0123456789abcdef0123456789abcdef01234567"
 
 
 def test_row_benchmarks_record_provenance(tmp_path):
@@ -167,6 +175,27 @@ def test_a_ratio_divides_rows_of_one_file_only(tmp_path):
     assert "| 1.20x |" in chunked  # 309,672 / 258,067, both in train_eager.json
     xt = next(line for line in lines if "| encdec | x-transformers | compile |" in line)
     assert "| - |" in xt  # no compiled encdec/attnlab in its file
+
+
+def test_a_decoding_target_without_its_rows_is_an_error_not_a_yes(tmp_path):
+    """The CTranslate2 targets read each engine's rows (their `engine` field is "attnlab --engine ctranslate2" since
+    2026-11-26): a file with none beside CTranslate2's own is refused with its name, never met by an empty list."""
+    raw = tmp_path / "results"
+    raw.mkdir()
+    name = "h100_2026-11-26c_decode_ct2.json"
+    data = json.loads((results.RAW / name).read_text(encoding="utf-8"))
+    assert results.t_engine_cuda(data)[0].startswith("greedy 2.27x, beam 4 0.72x")  # 1,838 / 811 and 349 / 484
+    data["rows"] = [r for r in data["rows"] if not r["row"].startswith("attnlab --engine")]
+    (raw / name).write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(results.RecordError, match="no row of attnlab's engine 'ctranslate2'"):
+        results.t_engine_cuda(data)
+    old = results.TARGETS
+    try:
+        results.TARGETS = [t for t in old if t[1] == name]
+        with pytest.raises(results.RecordError, match=name):
+            results.targets_table(raw)
+    finally:
+        results.TARGETS = old
 
 
 # ------------------------------------------------------------------------------------------------ fit_vs_bench
