@@ -91,6 +91,33 @@ def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path, monkeypatch,
     assert "-m attnlab.launch.job task" in script and not (tmp_path / "runs").exists()
 
 
+# `scontrol -o show job` lines as Slurm 22.05 prints them (shortened): a job requeued after its node failed
+# (pending, no node list, the scheduler's plan beside it), a running array task, a finished job whose command has
+# arguments, and a pending array whose tasks are not split yet
+PENDING = ("JobId=7 JobName=attnlab-fit UserId=root(0) JobState=PENDING Reason=BeginTime Requeue=1 Restarts=1 "
+           "BatchFlag=1 ExitCode=0:0 Partition=debug AllocNode:Sid=host:9 ReqNodeList=(null) ExcNodeList=(null) "
+           "NodeList= SchedNodeList=node[1-2] NumNodes=2-2 NumCPUs=2 ReqTRES=cpu=2,mem=8000M,node=2,billing=2 "
+           "Socks/Node=* NtasksPerN:B:S:C=1:0:*:* Command=/tmp/r/job.sbatch WorkDir=/tmp/r Power=")
+ARRAY_TASK = ("JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=attnlab-w JobState=RUNNING Reason=None "
+              "ReqNodeList=(null) NodeList=node2 BatchHost=node2 NumNodes=1 Command=/tmp/s/w.sbatch Power=")
+DONE = ("JobId=3 JobName=attnlab-fit JobState=COMPLETED Reason=None NodeList=node[1-2] "
+        "Command=/tmp/a b/job.sbatch --flag value WorkDir=/tmp/a b Power=")
+ARRAY_PENDING = "JobId=20 ArrayJobId=20 ArrayTaskId=0-1%2 JobState=PENDING Reason=None NodeList=(null) Power="
+
+
+def test_scontrol_records_of_pending_running_finished_and_array_jobs():
+    records = job_records("\n".join([PENDING, ARRAY_TASK, DONE, ARRAY_PENDING, ""]))
+    assert [record_id(r) for r in records] == ["7", "11_1", "3", "20_0-1%2"]
+    assert [r["JobState"] for r in records] == ["PENDING", "RUNNING", "COMPLETED", "PENDING"]
+    pending, _, done, _ = records
+    assert pending["NodeList"] == "" and pending["SchedNodeList"] == "node[1-2]" and pending["Power"] == ""
+    assert pending["ReqTRES"] == "cpu=2,mem=8000M,node=2,billing=2" and pending["NtasksPerN:B:S:C"] == "1:0:*:*"
+    assert done["Command"] == "/tmp/a b/job.sbatch --flag value" and done["WorkDir"] == "/tmp/a b"
+    assert [nodelist(records, j) for j in ("7", "11_1", "3", "20_0-1%2")] == ["", "node2", "node[1-2]", ""]
+    assert nodelist(job_records(PENDING), "7") == "", "a requeued job waiting for a node has none"
+    assert job_records("") == [] and nodelist([], "7") == "", "a job the controller forgot"
+
+
 def test_without_slurm_and_without_root_the_cluster_tests_skip_saying_why(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "binary", lambda name: None)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -116,15 +143,17 @@ class Cluster:
             raise AssertionError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr or r.stdout}")
         return r
 
+    def records(self, job: str) -> list[dict[str, str]]:
+        """`scontrol -o show job <job>`, parsed (job_records); [] once the controller forgot the job."""
+        return job_records(self.run("scontrol", "-o", "show", "job", job, check=False).stdout)
+
     def states(self, job: str) -> dict[str, str]:
         """{job id (array tasks as <array>_<i>): state} from scontrol; {} once the controller forgot it."""
-        r = self.run("scontrol", "-o", "show", "job", job, check=False)
-        out = {}
-        for line in r.stdout.splitlines():
-            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-            key = f"{fields['ArrayJobId']}_{fields['ArrayTaskId']}" if "ArrayTaskId" in fields else fields["JobId"]
-            out[key] = fields["JobState"]
-        return out
+        return {record_id(r): r["JobState"] for r in self.records(job)}
+
+    def nodelist(self, job: str) -> str:
+        """The nodes `job` runs or ran on ("" while it is pending, as after a requeue)."""
+        return nodelist(self.records(job), job)
 
     def wait(self, job: str, timeout: float, logs: Path, done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")) -> dict:
         deadline = time.time() + timeout
@@ -134,6 +163,41 @@ class Cluster:
                 return states
             time.sleep(1)
         raise AssertionError(f"job {job} not done after {timeout} s: {self.states(job)}\n{read_logs(logs)}")
+
+
+FIELD = re.compile(r"[A-Za-z][\w:/]*=")  # NodeList=, Socks/Node=, NtasksPerN:B:S:C=
+
+
+def job_records(text: str) -> list[dict[str, str]]:
+    """The output of `scontrol -o show job` (a line per job or array task) as {field: value}, the one parser of it
+    the tests use. A value may be empty (a pending job prints `NodeList= SchedNodeList=node1`), may hold '='
+    (`TRES=cpu=2,node=1`) or spaces (`Command=` with its arguments): a word that does not start with a field name
+    continues the value before it."""
+    out = []
+    for line in text.splitlines():
+        fields: dict[str, str] = {}
+        key = None
+        for word in line.split(" "):
+            if FIELD.match(word):
+                key, value = word.split("=", 1)
+                fields[key] = value
+            elif key is not None:
+                fields[key] += " " + word
+        if "JobId" in fields:
+            out.append(fields)
+    return out
+
+
+def record_id(fields: dict[str, str]) -> str:
+    """A record's job id as the tests name it: <job>, or <array>_<task> for an array task."""
+    return f"{fields['ArrayJobId']}_{fields['ArrayTaskId']}" if "ArrayTaskId" in fields else fields["JobId"]
+
+
+def nodelist(records: list[dict[str, str]], job: str) -> str:
+    """The NodeList of `job`'s record (of the first record when none has that id): "" for a job not running."""
+    r = next((r for r in records if record_id(r) == job), records[0] if records else {})
+    value = r.get("NodeList", "")
+    return "" if value == "(null)" else value
 
 
 def binary(name: str) -> str | None:

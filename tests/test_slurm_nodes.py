@@ -48,10 +48,6 @@ class TwoNodes(Cluster):
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split("\n")
         return dict(line.split() for line in out if line.strip())
 
-    def nodelist(self, job: str) -> str:
-        r = self.run("scontrol", "-o", "show", "job", job, check=False)
-        return re.search(r"\bNodeList=(\S+)", r.stdout).group(1) if "NodeList=" in r.stdout else ""
-
     def start_slurmd(self, node: str) -> subprocess.Popen:
         proc = subprocess.Popen(in_namespace(self.net, node, self.hosts, [binary("slurmd"), "-D", "-N", node, "-f",
                                                                           str(self.conf)]),
@@ -346,6 +342,8 @@ def test_a_node_that_stops_answering_has_its_trial_retried_elsewhere_exactly_onc
     wait_for(lambda: stepping("node1") and running_on(h, "node2"), 90,
              f"the workers never both ran a trial\n{read_logs(logs)}", two_nodes.dir)
     stalled = running_on(h, "node1")
+    # which task runs on node1, asked before it stops: past SlurmdTimeout slurmctld requeues it (no node list)
+    on_node1 = f"{array}_0" if two_nodes.nodelist(f"{array}_0") == "node1" else f"{array}_1"
     two_nodes.net.signal("node1", signal.SIGSTOP)
     stopped_at = time.time()
     try:
@@ -356,7 +354,6 @@ def test_a_node_that_stops_answering_has_its_trial_retried_elsewhere_exactly_onc
     finally:
         two_nodes.net.signal("node1", signal.SIGKILL if then == "killed" else signal.SIGCONT)
         stopped_s = time.time() - stopped_at
-    on_node1 = f"{array}_0" if two_nodes.nodelist(f"{array}_0") == "node1" else f"{array}_1"
     if then == "killed":
         two_nodes.start_slurmd("node1")  # the node comes back, as after a reboot
         two_nodes.run("scancel", on_node1)
