@@ -28,8 +28,6 @@ TOP = ("src", "tests", "bench", "experiments", "ablations", "slurm", "docs")
 # attnlab/... for src/attnlab/...
 CITED = re.compile(r"(?<![\w./<>-])((?:" + "|".join(TOP) + r"|attnlab)/[\w./*-]*\w/?)(?::(\d+)(?:-(\d+))?)?")
 TEST_NAME = re.compile(r"\b(test_\w+\.py)::(test_\w+\*?)")
-# paths a page may name before they exist: another issue writes them
-PENDING = {"docs/seeds.md"}
 
 
 def rel(page: Path) -> str:
@@ -44,8 +42,6 @@ def tracked() -> list[str]:
 
 
 def exists(path: str) -> bool:
-    if path in PENDING:
-        return True
     if "*" in path:
         return any(REPO.glob(path))
     return (REPO / path).exists()
