@@ -119,9 +119,8 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
     return batches
 
 
-# CTranslate2's batches on a CPU, in source tokens (padding counted). On the demo's 918 test sentences at 2 threads
-# (bench/RESULTS.md): 3,683 sentences/s greedy and 1,173 beam 4 in batches of 2,048 tokens, 3,160 and 1,129 of 4,096,
-# 2,867 and 1,138 of 8,192; on one thread 2,048 and 4,096 alike
+# CTranslate2's batches on a CPU, in source tokens (padding counted): the fastest of 2,048, 4,096 and 8,192 on the
+# demo's 918 test sentences at 2 threads when it was chosen (commit 3220d31; that comparison kept no raw file)
 CPU_ENGINE_TOKENS = 2048
 
 
