@@ -45,9 +45,9 @@ SKIP = {  # the start of a line -> why this test does not run it
     "make demo": "trains for 10 minutes (tests/test_cli.py runs the demo at toy size)",
     "python3 -m venv .venv": "installs from the network",
     ".venv/bin/python -m pytest": "runs tests of this suite, which make test runs",
-    "attnlab ablate run ablations/demo_significance.yaml": "trains 6 models and evaluates them, 18 minutes "
+    "attnlab ablate run ablations/demo_significance.yaml": "trains 6 models and evaluates them, 6 minutes "
                                                            "(here: trained by fakes before the blocks)",
-    "make ablate-demo": "the 18-minute run above",
+    "make ablate-demo": "the 6-minute run above",
     "make scaling-demo": "72 models, 17 minutes (tests/test_ablate_scaling.py runs a scaling study on a stand-in)",
     "pip install optuna-dashboard": "installs from the network",
     "pip install 'attnlab[ctranslate2]'": "installs from the network (make test installs it with the dev extra)",
