@@ -91,9 +91,13 @@ def test_an_error_in_the_writer_is_raised_at_the_next_save_and_at_the_end(tmp_pa
     io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")  # queued: no error yet
     with pytest.raises(OSError, match="a.ckpt"):  # raised instead of writing b.ckpt
         io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.ckpt")
-    io.teardown()  # once raised, it is not raised again
-    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.ckpt")
-    with pytest.raises(OSError, match="c.ckpt"):  # the end of fit
+    with pytest.raises(OSError, match="a.ckpt"):  # the exception checkpoint that follows: the first error again,
+        io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.ckpt")  # not c.ckpt's, which would replace it
+    io.teardown()  # once raised, the end of fit does not raise it again
+    assert not (tmp_path / "c.ckpt").exists()
+    io = AtomicCheckpointIO(background=True)
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "e.ckpt")
+    with pytest.raises(OSError, match="e.ckpt"):  # the end of fit
         io.teardown()
     monkeypatch.setattr(cio, "save_atomic", lambda obj, path: torch.save(obj, path))
     AtomicCheckpointIO(background=False).save_checkpoint({"w": torch.ones(2)}, tmp_path / "d.ckpt")

@@ -10,7 +10,8 @@
   fails that capture. An earlier version copied on the device and let the thread move the copy to the host; the
   H100 fit of 2026-11-26 (bench/results/h100_2026-11-26c_*) died at its first validation of it. One write is in
   flight at a time: a save waits for the one before. An error in the thread (a full disk) is raised at the next
-  save or when the fit ends.
+  save or when the fit ends, and again by any save after it (the exception checkpoint that follows), which writes
+  nothing: the first error is the one the fit stops with.
 - `after_writes(trainer, fn)`: fn once every save queued before it is on disk (at once in the foreground). What
   reads a checkpoint just saved goes through it: last.ckpt copied from the step checkpoint, the best window's
   links (best_window.py).
@@ -46,6 +47,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.background = background
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._failed: BaseException | None = None  # the first write that failed: raised again by every later save
         self._lock = threading.Lock()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -54,6 +56,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             save_atomic(stamped, path)
             return
         self.wait()  # one write in flight: the snapshot held besides the live state is one, and errors surface here
+        if self._failed is not None:  # the exception checkpoint after that error: the first error, not a second
+            raise self._failed  # write into the same full disk whose error would replace it at the end of the fit
         snapshot = host_snapshot(stamped)  # the optimizer steps on while the thread writes
         self.after(lambda: save_atomic(snapshot, path))
 
@@ -74,6 +78,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             pending, self._pending = self._pending, []
         errors = [e for e in (f.exception() for f in pending) if e is not None]
         if errors:
+            self._failed = self._failed or errors[0]
             raise errors[0]
 
     def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,6 +46,7 @@ from .intervals import StretchIntervals, saved_steps
 from .launch.requeue import RequeueOnUSR1, unused_allocation
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .lit.fused_loss import resolve_fused_loss
+from .metrics_csv import WholeRowsCSVLogger
 from .models.block import Block
 from .progress import progress_callback
 from .rundir import archive_previous, clear_fit_done, keep_metrics, mark_fit_done, write_run_dir
@@ -113,7 +114,8 @@ def make_loggers(exp: Experiment, run_dir: Path) -> list[Logger]:
     made: list[Logger] = []
     for name in t.logger_names:
         if name == "csv":
-            made.append(CSVLogger(str(run_dir), name="", version="logs", flush_logs_every_n_steps=t.log_every))
+            made.append(WholeRowsCSVLogger(str(run_dir), name="", version="logs",  # whole rows on a full disk
+                                           flush_logs_every_n_steps=t.log_every))
         elif name == "tensorboard":
             made.append(TensorBoardLogger(str(run_dir), name="", version="tensorboard"))
         elif name == "wandb":
