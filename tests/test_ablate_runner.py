@@ -379,6 +379,27 @@ def test_a_lock_left_by_a_killed_process_is_broken_at_once_a_live_ones_only_afte
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to tell a zombie")
+def test_a_lock_left_by_a_process_dead_but_not_yet_reaped_is_broken_at_once(tmp_path):
+    """A zombie (a worker that died and whose parent has not waited for it yet, as the kill storm's first wave
+    left them) holds nothing: its lock is broken at once, not after the grace period, during which every worker
+    waiting on the journal's lock misses its heartbeats and has its live trial declared lost."""
+    dead = subprocess.Popen([sys.executable, "-c", "import os; os._exit(0)"])
+    try:
+        stat = Path(f"/proc/{dead.pid}/stat")
+        deadline = time.monotonic() + 30
+        while stat.read_bytes().rpartition(b")")[2].split()[0] != b"Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        (tmp_path / "claim.lock").write_text(f"{socket.gethostname()}:{dead.pid}")
+        t0 = time.monotonic()
+        OwnedLock(tmp_path / "claim.lock", grace_s=30).acquire()
+        assert time.monotonic() - t0 < 1.0, "a zombie's lock waited for"
+        assert (tmp_path / "claim.lock").read_text() == owner()
+    finally:
+        dead.wait()
+
+
 def test_invalid_combination_is_recorded_with_its_reason_not_a_crash(tmp_path):
     body = "axes:\n  model.attn_softcap: [0.0, 30.0]\n  model.attention_backend: [sdpa, eager]\n"
     spec = load_spec(write_study(tmp_path, body))  # not a load error: the value is valid with eager

@@ -128,6 +128,7 @@ axes:
 """
 STORM_S = float(os.environ.get("ATTNLAB_STORM_S", "20"))  # how long the killer kills, per storage
 FIT_S = 1.5  # how long one fake fit takes
+MIN_KILLS = 3  # outside kills inside fits: the storm goes on past STORM_S until this many have landed
 
 
 def in_fit(study_dir: Path) -> set[int]:
@@ -140,11 +141,14 @@ def in_fit(study_dir: Path) -> set[int]:
 def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, seconds: float, rng: random.Random,
           moments: list[str]) -> dict:
     """n_workers worker processes under two kinds of kills for `seconds`, each dead worker replaced by a new one:
-    - every 1.5-3.5 s, one of those inside a fit, at random, is SIGKILLed from outside;
-    - every other worker started dies by its own hand (ablate/faults.py) at the next of `moments` in turn, at
-      its n-th visit there (n at random: 1-2 for the claim and recording moments, up to 15 for journal and
-      database writes), where an outside kill rarely lands: in the claim, between the fit's end and COMPLETE,
-      with the journal's or the database's lock held.
+    - every 1.5-3.5 s, one of those inside a fit, at random, is SIGKILLed from outside (and on after `seconds`
+      until MIN_KILLS have landed);
+    - the first len(moments) workers die by their own hand (ablate/faults.py) at their first visit of one moment
+      each, so that every moment is hit whatever the machine's speed (each worker of the first wave claims a point
+      of its own: there are more points than workers); then every other worker started does so at the next of
+      `moments` in turn, at its n-th visit there (n at random: 1-2 for the claim and recording moments, up to 15
+      for journal and database writes). These are the moments where an outside kill rarely lands: in the claim,
+      between the fit's end and COMPLETE, with the journal's or the database's lock held.
     Then the workers finish calmly. Returns what happened; every worker must end with status 0."""
     h = prepare_study(spec, study_dir, storage)
     cmd = worker_command(h.spec.path, h.dir, h.url, opts)
@@ -157,7 +161,10 @@ def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, se
     def start(storming: bool) -> subprocess.Popen:
         nonlocal started, planned
         env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_DIE_AT"}
-        if storming and started % 2 == 0:  # every other worker: a death planned at a moment of its work
+        if planned < len(moments):  # the first wave: each moment at its first visit, hit by construction
+            env.update(ATTNLAB_DIE_AT=f"{moments[planned]}:1", ATTNLAB_DIE_LOG=str(die_log))
+            planned += 1
+        elif storming and started % 2 == 0:  # every other worker: a death planned at a moment of its work
             moment = moments[planned % len(moments)]
             env.update(ATTNLAB_DIE_AT=f"{moment}:{rng.randint(1, upto[moment])}", ATTNLAB_DIE_LOG=str(die_log))
             planned += 1
@@ -180,7 +187,7 @@ def storm(spec, study_dir: Path, storage: str, opts: Options, n_workers: int, se
                 if p.poll() == -signal.SIGKILL and p.pid not in ours:  # it died where it planned to: replace it
                     ours.add(p.pid)
                     procs[i] = start(now < storm_end)
-            if storm_end > now >= next_kill:
+            if (storm_end > now or kills < MIN_KILLS) and now >= next_kill:
                 next_kill = now + rng.uniform(1.5, 3.5)
                 busy = in_fit(study_dir)
                 targets = [p for p in procs if p.poll() is None and p.pid in busy]
@@ -235,7 +242,7 @@ def test_a_kill_storm_loses_and_duplicates_nothing(kind, tmp_path, worker_env, m
     reused = [t for t in trials if t.user_attrs.get("fit_reused")]
     retried = sum(len([t for t in ts if t.user_attrs.get("status") != "duplicate"]) > 1 for ts in by_point.values())
     died = Counter(d["moment"] for d in got["deaths"])
-    assert got["kills"] >= 3 and len(lost) >= got["kills"] / 2, got  # it happened, and hit running trials
+    assert got["kills"] >= MIN_KILLS and len(lost) >= got["kills"] / 2, got  # it happened, and hit running trials
     assert all(died[m] >= 1 for m in moments), died  # every moment was hit
     assert not dup, f"{len(dup)} duplicate claims"
     starts, ends = read_calls(study_dir)

@@ -26,7 +26,8 @@ def owner() -> str:
 
 def owner_alive(stamp: str | None) -> bool | None:
     """True when the process of `stamp` runs, False when it is of this host and gone, None when unknown (another
-    host, or not a stamp)."""
+    host, or not a stamp). A zombie is gone: it died and holds nothing, its parent has not reaped it yet (a lock
+    it held would otherwise wait for its grace period, and every worker behind that lock miss its heartbeats)."""
     host, _, pid = (stamp or "").rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return None
@@ -36,7 +37,13 @@ def owner_alive(stamp: str | None) -> bool | None:
         return False
     except PermissionError:  # it exists, under another user
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:  # "<pid> (<name>) <state> ...": the name may hold ")"
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except FileNotFoundError:  # reaped since
+        return False
+    except (OSError, IndexError):  # no /proc (not Linux)
+        return True
 
 
 def stamped(prefix: str, suffix: str = "") -> str:
