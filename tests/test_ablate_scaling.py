@@ -280,3 +280,33 @@ def test_size_transfer_with_every_variant_tied_at_one_size_gives_no_p_value():
     text = size_transfer(h, st)
     assert "Kendall's tau = undefined, Spearman's rho = undefined, n = 5: no p-value: all scores tied" in text
     assert "p = " not in text
+
+
+def test_the_csv_flags_a_failed_check_and_a_crossing_below_80_percent_of_draws_is_no_reliable_crossing(tmp_path):
+    """The held-out case above: the CSV's fit, held-out and crossing rows carry the failed check; then the crossing
+    cell with a crossing in the full data at 79% and at 80% of the draws (RELIABLE_SHARE)."""
+    from attnlab.analysis.scaling_report import crossing_lines, write_csv
+    loss = np.stack([law(C), law(C, a=1.1 * A)])
+    loss[0, -1] *= 1.08
+    loss = loss[None, :, :, None, None] * np.exp(np.array([0.005, -0.005]))
+    st = ScalingStudy("s", "val/loss", ["a", "b"], list("12345"), [1, 2],
+                      ScalingData(loss, np.stack([C, C]), np.array([1e-3]), (1e-3,)), np.full((2, 5), 1e5))
+    r = analyse(st.data)
+    r.cross.est[0, 0], r.cross.lo[0, 0], r.cross.hi[0, 0] = 12.0, 11.5, 12.5
+    write_csv(tmp_path / "s.csv", st, r, crossing_lines(st, r))
+    rows = list(csv.DictReader((tmp_path / "s.csv").read_text(encoding="utf-8").splitlines()))
+    fit_a = [x for x in rows if x["kind"] == "fit" and x["variant"] == "a"]
+    assert {x["quantity"] for x in fit_a} >= {"alpha", "E", "L at 100x"}
+    assert all(x["flags"] == "unreliable" for x in fit_a)
+    assert all("unreliable" not in x["flags"] for x in rows if x["kind"] == "fit" and x["variant"] == "b")
+    assert [x["flags"] for x in rows if x["kind"] == "heldout" and x["variant"] == "a"] == ["failed"] * 3
+    for share, reliable in ((0.79, False), (0.80, True)):
+        r.cross_share[0, 0] = share
+        (_, text, at, fields), = crossing_lines(st, r)
+        assert fields["flags"] == "unreliable" and fields["share"] == share
+        if reliable:
+            assert text.startswith("cross at C = 1e+12 [3.16e+11, 3.16e+12] (80% of draws cross") and at == 1e12
+            assert text.endswith("(unreliable)")
+        else:
+            assert text.startswith("no reliable crossing (the full data cross at 1e+12; 79% of draws cross")
+            assert math.isnan(at)
