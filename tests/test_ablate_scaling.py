@@ -310,3 +310,27 @@ def test_the_csv_flags_a_failed_check_and_a_crossing_below_80_percent_of_draws_i
         else:
             assert text.startswith("no reliable crossing (the full data cross at 1e+12; 79% of draws cross")
             assert math.isnan(at)
+
+
+def test_the_demo_study_and_docs_state_the_parameter_range_count_parameters_gives(tmp_path):
+    """ablations/scaling_demo.yaml's sizes through count_parameters (the tied 1,000-token embedding included): the
+    range its header and docs/scaling.md state, and each size's params cell of the docs' table (issue 44, point 7)."""
+    from pathlib import Path
+
+    from attnlab.models.accounting import count_parameters
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "ablations" / "scaling_demo.yaml")
+    params: dict[str, set[int]] = {}
+    for v in spec.variants():
+        exp = trial_experiment(spec, tmp_path / "s", {**v.overrides}, 1)
+        size = re.search(r"scale=(\S+)", v.name).group(1)
+        n = count_parameters(exp.model.replace(vocab_size=exp.data.vocab_size))["total"]
+        params.setdefault(size, set()).add(n)
+    low, high = min(min(x) for x in params.values()), max(max(x) for x in params.values())
+    doc = (root / "docs" / "scaling.md").read_text(encoding="utf-8")
+    assert f"from {low:,} to {high:,} parameters" in doc
+    assert f"({low // 1000}K to {high // 1000}K parameters by count_parameters" in (
+        root / "ablations" / "scaling_demo.yaml").read_text(encoding="utf-8")
+    for size, ns in params.items():
+        cell = "/".join(f"{round(n / 1000)}K" for n in sorted(ns))
+        assert f"| {size} | {cell} |" in doc, (size, cell)
