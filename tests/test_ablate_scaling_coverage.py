@@ -13,11 +13,17 @@ covered, and these tests fail there on what it never printed: the held-out check
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from attnlab.analysis.scaling_coverage import coverage, simulate
+from attnlab.analysis import scaling_coverage
+from attnlab.analysis.scaling_coverage import REGIMES, TRUTHS, coverage, simulate
 from attnlab.analysis.scaling_stats import analyse
+from attnlab.cli import main
 
 STUDIES = {(4, 2): 300, (5, 3): 150, (3, 2): 150}  # (sizes, seeds) -> studies per truth
 
@@ -47,3 +53,30 @@ def test_three_sizes_withhold_every_extrapolation_and_the_per_size_intervals_cov
         assert cov[key][2] == 0, key  # never printed
     assert np.isnan(r.alpha.est).all() and np.isnan(r.cross.est).all() and np.isnan(r.cross_share).all()
     assert cov["loss per size"][1] >= 0.90 and cov["difference per size"][1] >= 0.90
+
+
+def test_the_docs_coverage_table_is_the_committed_json_and_the_command_writes_both(tmp_path, capsys, monkeypatch):
+    """docs/scaling.md's coverage table is docs/scaling_coverage.json's numbers cell for cell (the figures measured),
+    and `attnlab ablate scaling-coverage` prints that table and writes that JSON (here at 2 studies a row, of its
+    first regime only, to keep the test short)."""
+    root = Path(__file__).resolve().parents[1]
+    raw = json.loads((root / "docs" / "scaling_coverage.json").read_text(encoding="utf-8"))
+    doc = (root / "docs" / "scaling.md").read_text(encoding="utf-8")
+    assert raw["command"] == f"attnlab ablate scaling-coverage --studies {raw['studies']}" and raw["command"] in doc
+
+    def row(cov: dict, sizes: int, seeds: int, noise: float, truth: str) -> str:
+        cells = [f"{p:.0%}" if k == "withheld" else "withheld" if math.isnan(c) and p == 0 else f"{c:.2f} ({p:.0%})"
+                 for k, (p, c, n) in cov.items()]
+        return f"| {sizes} sizes x {seeds} seeds, {noise:.1%} noise | {truth} | " + " | ".join(cells) + " |"
+
+    for sizes, seeds, noise in REGIMES:
+        for truth in TRUTHS:
+            assert row(raw["coverage"][f"{sizes}x{seeds} noise {noise} {truth}"], sizes, seeds, noise, truth) in doc
+    monkeypatch.setattr(scaling_coverage, "REGIMES", REGIMES[:1])
+    assert main(["ablate", "scaling-coverage", "--studies", "2", "--out", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    new = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))
+    assert new["studies"] == 2 and len(new["coverage"]) == len(TRUTHS) and set(new["coverage"]) < set(raw["coverage"])
+    for sizes, seeds, noise in REGIMES[:1]:
+        for truth in TRUTHS:
+            assert row(new["coverage"][f"{sizes}x{seeds} noise {noise} {truth}"], sizes, seeds, noise, truth) in out
