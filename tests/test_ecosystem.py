@@ -72,7 +72,7 @@ def test_trainer_loggers_are_checked_before_any_work(tmp_path, monkeypatch):
     exp = load_experiment(recipe, {"trainer.loggers": "csv"})
     assert exp.config_hash() == load_experiment(recipe).config_hash()  # where it logs is not what it trains
     assert load_experiment(recipe, {"data.min_pairs": 5}).config_hash() == exp.config_hash()  # nor a data check
-    assert [type(lg).__name__ for lg in attnlab.train.make_loggers(exp, tmp_path)] == ["CSVLogger"]
+    assert [type(lg).__name__ for lg in attnlab.train.make_loggers(exp, tmp_path)] == ["WholeRowsCSVLogger"]  # csv only
 
 
 def wandb_records(path: Path) -> list:
