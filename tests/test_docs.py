@@ -8,13 +8,14 @@ tests/test_readme.py; the config table's tests are checked in tests/test_style.p
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import subprocess
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from test_contributing import resolve  # an `attnlab.x.y` name's object, as CONTRIBUTING.md's test reads it
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "docs").glob("*.md"), *(REPO / "bench").glob(
@@ -118,18 +119,6 @@ def test_every_test_named_exists():
     assert not bad, "\n".join(bad)
 
 
-def resolve(dotted: str):
-    """The object an `attnlab.x.y` name names: the longest importable module, then attributes."""
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
 
 
 def test_every_attnlab_name_in_backticks_resolves():
