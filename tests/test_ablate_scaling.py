@@ -250,15 +250,21 @@ def test_e_shared_or_given_by_a_prior_labels_every_figure_that_depends_on_it(tmp
     capsys.readouterr()
 
 
-def test_a_held_out_size_off_the_law_flags_the_extrapolation_unreliable(tmp_path):
-    """The largest size 8% above the law the smaller ones follow: the held-out check fails and alpha, L at kx and
-    the plot's legend say so."""
+def off_law_study():
+    """Variant a's largest size 8% above the law its smaller sizes follow, b on its law; 5 sizes, 2 seeds: the
+    study and its analysis."""
     loss = np.stack([law(C), law(C, a=1.1 * A)])
     loss[0, -1] *= 1.08
     loss = loss[None, :, :, None, None] * np.exp(np.array([0.005, -0.005]))
     st = ScalingStudy("s", "val/loss", ["a", "b"], list("12345"), [1, 2],
                       ScalingData(loss, np.stack([C, C]), np.array([1e-3]), (1e-3,)), np.full((2, 5), 1e5))
-    r = analyse(st.data)
+    return st, analyse(st.data)
+
+
+def test_a_held_out_size_off_the_law_flags_the_extrapolation_unreliable(tmp_path):
+    """The largest size 8% above the law the smaller ones follow: the held-out check fails and alpha, L at kx and
+    the plot's legend say so."""
+    st, r = off_law_study()
     assert r.failed[0].tolist() == [True, False]
     from attnlab.analysis.scaling_plot import plot_scaling
     from attnlab.analysis.scaling_report import fit_rows
@@ -286,12 +292,7 @@ def test_the_csv_flags_a_failed_check_and_a_crossing_below_80_percent_of_draws_i
     """The held-out case above: the CSV's fit, held-out and crossing rows carry the failed check; then the crossing
     cell with a crossing in the full data at 79% and at 80% of the draws (RELIABLE_SHARE)."""
     from attnlab.analysis.scaling_report import crossing_lines, write_csv
-    loss = np.stack([law(C), law(C, a=1.1 * A)])
-    loss[0, -1] *= 1.08
-    loss = loss[None, :, :, None, None] * np.exp(np.array([0.005, -0.005]))
-    st = ScalingStudy("s", "val/loss", ["a", "b"], list("12345"), [1, 2],
-                      ScalingData(loss, np.stack([C, C]), np.array([1e-3]), (1e-3,)), np.full((2, 5), 1e5))
-    r = analyse(st.data)
+    st, r = off_law_study()
     r.cross.est[0, 0], r.cross.lo[0, 0], r.cross.hi[0, 0] = 12.0, 11.5, 12.5
     write_csv(tmp_path / "s.csv", st, r, crossing_lines(st, r))
     rows = list(csv.DictReader((tmp_path / "s.csv").read_text(encoding="utf-8").splitlines()))
