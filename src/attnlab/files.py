@@ -56,6 +56,20 @@ def disk_full(folder: Path, what: str, needed: int, cause: OSError, kept: str) -
                                  f"free there. {kept}")
 
 
+def append_or_cut_back(fd: int, data: bytes, start: int, fsync: bool = False) -> None:
+    """Write `data` at the end of the open file `fd` whole (and with `fsync`, durably), or cut the file back to
+    `start`, its length before, and raise what stopped it: an append that is whole or absent."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]  # a short write on a full disk; the next one raises
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, start)
+        raise
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], size: Callable[[], int],
                  what: str | None = None) -> None:
     """Write `path` whole (see the module docstring): `write(f)` fills the temporary file; `size()` says how many

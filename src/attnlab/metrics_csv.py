@@ -15,7 +15,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from .files import disk_full, disk_full_cause, write_atomic
+from .files import append_or_cut_back, disk_full, disk_full_cause, write_atomic
 
 KEPT = "metrics.csv holds every row written before, whole; the fit stops with this error."
 
@@ -56,11 +56,8 @@ def append_whole(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     start = os.fstat(fd).st_size
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]  # a short write on a full disk; the next one raises
+        append_or_cut_back(fd, data, start)
     except BaseException as e:
-        os.ftruncate(fd, start)
         os.close(fd)
         if start == 0:
             path.unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from optuna.storages.journal import JournalFileBackend
 
-from ..files import disk_full, disk_full_cause
+from ..files import append_or_cut_back, disk_full, disk_full_cause
 from . import faults
 
 log = logging.getLogger("attnlab.ablate")
@@ -61,14 +61,10 @@ class WholeJournalFile(JournalFileBackend):
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 start = cut_torn_tail(fd, self.path)
+                faults.reached("journal_write", lambda: os.write(fd, data[: len(data) // 2]))  # tests only
                 try:
-                    view = memoryview(data)
-                    faults.reached("journal_write", lambda: os.write(fd, data[: len(data) // 2]))  # tests only
-                    while view:
-                        view = view[os.write(fd, view):]  # a short write on a full disk; the next one raises
-                    os.fsync(fd)
+                    append_or_cut_back(fd, data, start, fsync=True)  # every record before this append stays, whole
                 except BaseException as e:
-                    os.ftruncate(fd, start)  # every record before this append stays, whole
                     raise self.full(e, len(logs), len(data)) from e
             finally:
                 os.close(fd)
