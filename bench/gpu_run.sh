@@ -22,7 +22,8 @@
 #                     averaged at the lowest validation loss, beam-4 test BLEU and chrF (attnlab demo)
 #                                                                        -> base_bleu.json, base_translations.jsonl
 #   4 base_peer       the hand-written torch.nn.Transformer peer (carried: peers/peer_demo.py) for 5 minutes (--minutes) on
-#                     base_bleu's own split, scored on the same test sentences; run on the machine of part 3
+#                     base_bleu's own split, scored on the same test sentences; builds that split
+#                     itself where part 3 did not run into the same --out (bench/base_split.py)
 #                                                                                -> base_peer.json, base_vs_peer.json
 #   5 ablation        ablations/demo_norm_ffn.yaml packed on the GPU at each --workers-per-gpu (default 8,16)
 #                                                                    -> ablation_w<N>.txt, trials per hour in summary.md
@@ -256,10 +257,18 @@ if wanted base_peer; then
   if [ ! -f "$PEER" ]; then
     echo "== base_peer: no peer at $PEER (bench/gpu_carry.sh carries ../shared/peers/peer_demo.py)"
     record base_peer "skipped (no peer at $PEER)" 0
-  elif [ -z "$SPLIT" ]; then
-    echo "== base_peer: no split under $OUT/data_base: run base_bleu (part 3) into this --out first"
-    record base_peer "failed (no split under $OUT/data_base: run part 3 first)" 0
   else
+    if [ -z "$SPLIT" ]; then  # a fresh machine without part 3's run: build the split part 3 would train and test on
+      echo "== base_peer: no split under $OUT/data_base (part 3 not run into this --out): building it"
+      SPLIT=$("$PY" bench/base_split.py "${BASE[@]}" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}" 2>>"$OUT/base_peer.log" \
+              | tail -1)/
+      [ -f "${SPLIT}test.jsonl" ] || SPLIT=""
+    fi
+  fi
+  if [ -f "$PEER" ] && [ -z "$SPLIT" ]; then
+    echo "== base_peer: could not build the split under $OUT/data_base (see base_peer.log)"
+    record base_peer "failed (no split under $OUT/data_base: see base_peer.log)" 0
+  elif [ -f "$PEER" ]; then
     PEER_TEST="${SPLIT}test.jsonl"
     if [ "$DRY" = 1 ]; then  # a toy peer decodes up to 1.5 x the source + 10 tokens a sentence: test on 40 of them
       PEER_TEST="$OUT/peer_test_head.jsonl"; head -40 "${SPLIT}test.jsonl" > "$PEER_TEST"
