@@ -31,6 +31,7 @@ import torch
 
 from .decode_graph import NEG_INF, BeamGraph, DecodeStep, choose_beams, force_eos
 from .models.attention import KVCache, StaticKVCache
+from .models.prepack import prepacked_linears
 from .models.transformer import DecoderOnly
 
 PAD, BOS, EOS = 0, 1, 2
@@ -45,7 +46,7 @@ def _decoding(fn):
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), prepacked_linears(model):  # oneDNN's GEMM on a CPU (models/prepack.py)
                 return fn(model, *args, **kwargs)
         finally:
             model.train(was_training)

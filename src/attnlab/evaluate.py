@@ -27,6 +27,7 @@ from .decode import GENERATE_MAX_NEW_TOKENS, generate, position_cap  # noqa: F40
 from .files import write_text_atomic
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .lit.base import eager_blocks
+from .models.prepack import prepacked_linears
 
 log = logging.getLogger("attnlab")
 
@@ -192,7 +193,10 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     try:
         # compiled blocks run eagerly for the whole call: the stance is process-wide, and searches on several threads
         # entering and leaving it each (translate_ids) would leave it off while another still decodes
-        with bar, eager_blocks(), batch_workers(dev, len(batches), workers) as pool:
+        # a CPU's fp32 linears on weights packed once for the call, not once a batch (models/prepack.py); under a
+        # given autocast dtype they stay torch's, which autocast casts
+        packed = prepacked_linears(module.model) if dtype is None else contextlib.nullcontext()
+        with bar, eager_blocks(), packed, batch_workers(dev, len(batches), workers) as pool:
             # the costliest first, so that no worker is left with a long batch at the end (the texts stay the same:
             # each batch is decoded alone, on whichever worker)
             for _ in pool.map(translate, sorted(batches, key=lambda b: -batch_cost([len(encoded[i]) for i in b]))):

@@ -1,0 +1,122 @@
+"""oneDNN's prepacked linears for CPU decoding (attnlab.models.prepack): the same logits and tokens as torch's
+nn.Linear, every layer put back afterwards, and nothing changed where it would not be the same computation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from attnlab.config import ModelConfig
+from attnlab.decode import beam_search, greedy_search
+from attnlab.models.prepack import prepacked_linears
+from attnlab.models.transformer import build_model
+from conftest import jitter
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+V = 300
+
+
+def model(tie: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch="encoder_decoder", vocab_size=V, d_model=64, n_heads=4, n_enc_layers=2, n_dec_layers=2,
+                      d_ff=128, dropout=0.0, tie_embeddings=tie, **kw)
+    return jitter(build_model(cfg), seed).eval()  # biases != 0, norms != 1
+
+
+def logits(m: nn.Module, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return m(src, tgt)  # (B, T, V)
+
+
+def packed_state(m: nn.Module) -> tuple[int, bool]:
+    """How many nn.Linear run a packed forward, and whether the head is replaced."""
+    return sum("forward" in x.__dict__ for x in m.modules() if type(x) is nn.Linear), m.__dict__.get("head") is not None
+
+
+def linear_calls(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+@pytest.mark.parametrize("tie,kw", [("all", {}), ("none", {"attn_bias": False, "ffn": "swiglu", "ffn_bias": False})])
+def test_packed_linears_give_torchs_logits_and_every_layer_is_put_back(tie, kw):
+    m = model(tie, **kw)
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(3, V, (5, 9), generator=g), torch.randint(3, V, (5, 7), generator=g)
+    n_linear = sum(type(x) is nn.Linear for x in m.modules())
+    with torch.no_grad():
+        want = logits(m, src, tgt)
+        with prepacked_linears(m):
+            assert packed_state(m) == (n_linear, tie != "none")
+            got = logits(m, src, tgt)
+            # every projection of the forward runs oneDNN's kernel: the linears' calls and the tied head's
+            calls = linear_calls(lambda: logits(m, src, tgt))
+        assert packed_state(m) == (0, False) and "_attnlab_prepacked" not in m.__dict__
+        assert m.head is None if tie != "none" else isinstance(m.head, nn.Linear)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    enc, dec = m.cfg.n_enc_layers, m.cfg.n_dec_layers
+    # self-attention qkv + out, cross-attention q + kv + out, the FFN's two (a gated one's are fused), the head
+    assert calls == enc * (2 + 2) + dec * (2 + 3 + 2) + 1, calls
+    # put back: the weights a later step changes are the ones the model uses
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.5)
+        changed = logits(m, src, tgt)
+        assert not torch.allclose(changed, want, rtol=1e-3, atol=1e-3)
+        with prepacked_linears(m):  # packed anew: not the first entry's weights
+            torch.testing.assert_close(logits(m, src, tgt), changed, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_and_beam_search_give_the_same_tokens_packed_or_not(monkeypatch):
+    m = model("all", seed=3)
+    g = torch.Generator().manual_seed(2)
+    src = torch.randint(3, V, (6, 11), generator=g)
+    src[2, 6:] = 0
+    packed = greedy_search(m, src, max_len_b=12), beam_search(m, src, beam_size=3, max_len_b=12)
+    assert linear_calls(lambda: greedy_search(m, src, max_len_b=2)) > 0, "the search packs its model"
+    monkeypatch.setattr("attnlab.models.prepack.applies", lambda model: False)
+    assert linear_calls(lambda: greedy_search(m, src, max_len_b=2)) == 0
+    assert (greedy_search(m, src, max_len_b=12), beam_search(m, src, beam_size=3, max_len_b=12)) == packed
+    assert packed_state(m) == (0, False)
+
+
+def test_nothing_is_packed_where_it_would_not_be_the_same_computation():
+    m = model("all")
+    with prepacked_linears(m):  # autograd on: a training step's linears keep their gradients
+        assert packed_state(m) == (0, False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), prepacked_linears(m):
+        assert packed_state(m) == (0, False)  # autocast casts torch's linears, not these
+    b = model("all").to(torch.bfloat16)
+    with torch.no_grad(), prepacked_linears(b):
+        assert packed_state(b) == (0, False)
+
+
+def test_nested_and_concurrent_uses_share_one_packing_and_the_last_one_out_restores():
+    m = model("all")
+    n_linear = sum(type(x) is nn.Linear for x in m.modules())
+    with torch.no_grad(), prepacked_linears(m):
+        first = [x.__dict__["forward"] for x in m.modules() if type(x) is nn.Linear]
+        with prepacked_linears(m):
+            assert [x.__dict__["forward"] for x in m.modules() if type(x) is nn.Linear] == first  # not packed again
+        assert packed_state(m) == (n_linear, True), "the inner exit left the outer packing in place"
+    assert packed_state(m) == (0, False)
+
+    src = torch.randint(3, V, (4, 8), generator=torch.Generator().manual_seed(4))
+    want = greedy_search(m, src, max_len_b=10)
+    start, got = threading.Barrier(4), []
+
+    def decode() -> None:
+        start.wait()
+        for _ in range(5):
+            got.append(greedy_search(m, src, max_len_b=10))
+
+    threads = [threading.Thread(target=decode) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 20 and packed_state(m) == (0, False) and "_attnlab_prepacked" not in m.__dict__
