@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from attnlab.config import ModelConfig
 from attnlab.decode import beam_search, greedy_search
+from attnlab.models import prepack
 from attnlab.models.prepack import prepacked_linears
 from attnlab.models.transformer import build_model
 from conftest import jitter
@@ -43,7 +44,8 @@ def linear_calls(fn) -> int:
 
 
 @pytest.mark.parametrize("tie,kw", [("all", {}), ("none", {"attn_bias": False, "ffn": "swiglu", "ffn_bias": False})])
-def test_packed_linears_give_torchs_logits_and_every_layer_is_put_back(tie, kw):
+def test_packed_linears_give_torchs_logits_and_every_layer_is_put_back(tie, kw, monkeypatch):
+    monkeypatch.setattr(prepack, "MIN_MACS", 0)  # every call through oneDNN, however small
     m = model(tie, **kw)
     g = torch.Generator().manual_seed(1)
     src, tgt = torch.randint(3, V, (5, 9), generator=g), torch.randint(3, V, (5, 7), generator=g)
@@ -72,6 +74,7 @@ def test_packed_linears_give_torchs_logits_and_every_layer_is_put_back(tie, kw):
 
 
 def test_greedy_and_beam_search_give_the_same_tokens_packed_or_not(monkeypatch):
+    monkeypatch.setattr(prepack, "MIN_MACS", 0)
     m = model("all", seed=3)
     g = torch.Generator().manual_seed(2)
     src = torch.randint(3, V, (6, 11), generator=g)
@@ -82,6 +85,16 @@ def test_greedy_and_beam_search_give_the_same_tokens_packed_or_not(monkeypatch):
     assert linear_calls(lambda: greedy_search(m, src, max_len_b=2)) == 0
     assert (greedy_search(m, src, max_len_b=12), beam_search(m, src, beam_size=3, max_len_b=12)) == packed
     assert packed_state(m) == (0, False)
+
+
+def test_calls_too_small_to_gain_run_torchs_linear():
+    """oneDNN's call costs more than it saves below MIN_MACS multiply-adds (bench/cpu_linear.py)."""
+    layer = nn.Linear(128, 512)
+    small, large = torch.randn(15, 128), torch.randn(16, 128)  # 15 * 128 * 512 < 2^20 <= 16 * 128 * 512
+    with torch.no_grad(), prepacked_linears(layer):
+        assert linear_calls(lambda: layer(small)) == 0 and linear_calls(lambda: layer(large)) == 1
+        got = layer(large)
+    torch.testing.assert_close(got, layer(large), rtol=1e-5, atol=1e-5)
 
 
 def test_nothing_is_packed_where_it_would_not_be_the_same_computation():
@@ -120,3 +133,22 @@ def test_nested_and_concurrent_uses_share_one_packing_and_the_last_one_out_resto
     for t in threads:
         t.join()
     assert got == [want] * 20 and packed_state(m) == (0, False) and "_attnlab_prepacked" not in m.__dict__
+
+
+def test_the_gemm_bench_writes_both_kernels_figures_with_provenance(tmp_path):
+    """bench/cpu_linear.py, whose rows MIN_MACS is read off, at two small shapes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "linear.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear.py"), "--iters", "3", "--shapes",
+                        "4,32,64;16,64,128", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert [(row["M"], row["K"], row["N"]) for row in record["rows"]] == [(4, 32, 64), (16, 64, 128)]
+    for row in record["rows"]:
+        assert row["status"] == "ok" and row["plain_us"] > 0 and row["packed_us"] > 0 and row["max_abs_diff"] < 1e-4
+    assert record["provenance"]["device"].startswith("CPU") and record["provenance"]["git_commit"]

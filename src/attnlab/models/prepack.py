@@ -1,11 +1,12 @@
 """oneDNN's prepacked matrix multiply for the linear layers of a model that decodes on a CPU.
 
-`F.linear` on a CPU calls the BLAS torch was built with (MKL in the PyPI wheels), which repacks the weight at every
-call; on this project's AMD EPYC it ran the decoder step's GEMMs at about 93 GFLOP/s on one core. oneDNN with the
+`F.linear` on a CPU calls the BLAS torch was built with (MKL in the PyPI wheels), which packs its operands anew at
+every call; on this project's AMD EPYC it ran a decoding step's GEMMs at 60-95 GFLOP/s on one core, oneDNN with the
 weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what TorchInductor's CPU
-freezing pass does for inference) ran the same shapes at 200-220, with the same sums (max difference 0 at 128
-inputs, 1e-4 at 512: another order of the same fp32 adds). A search packs the weights once, runs every nn.Linear
-(and the head tied to the embedding) through `torch.ops.mkldnn._linear_pointwise`, and puts them back after.
+freezing pass does for inference) at up to 220, with the same sums to 1e-4 (another order of the same fp32 adds):
+`bench/cpu_linear.py`. A search packs the weights once, runs every nn.Linear (and the head tied to the embedding)
+through `torch.ops.mkldnn._linear_pointwise` where a call is large enough to gain (`MIN_MACS`), and puts them back
+after.
 
 It applies only where it is the same computation: fp32 weights on a CPU, no autograd, no CPU autocast, a torch
 built with oneDNN. Elsewhere (CUDA, bf16, a training step) `prepacked_linears` does nothing.
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _LOCK = threading.Lock()  # searches on several threads (translate_lines' workers) pack and unpack one model once
@@ -42,12 +44,21 @@ def applies(model: nn.Module) -> bool:
         for p in params)
 
 
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., out)
+# oneDNN's call costs about 10 us more than F.linear's: below about 2^20 multiply-adds a call (a step with a few
+# rows left, one sentence), F.linear is as fast or faster; from there on oneDNN is 1.3-2.7x faster
+# (bench/results/cpu_linear_2026-11-26.json)
+MIN_MACS = 1 << 20
+
+
+def _linear(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() * weight.shape[0] < MIN_MACS:  # rows * in * out multiply-adds
+        return F.linear(x, weight, bias)  # (..., out)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., out)
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
-    return functools.partial(_packed, torch.ops.mkldnn._reorder_linear_weight(weight.detach()),
+    w = weight.detach()
+    return functools.partial(_linear, w, torch.ops.mkldnn._reorder_linear_weight(w),
                              None if bias is None else bias.detach())
 
 
