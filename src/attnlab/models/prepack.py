@@ -1,12 +1,12 @@
 """oneDNN's prepacked matrix multiply for the linear layers of a model that decodes on a CPU.
 
 `F.linear` on a CPU calls the BLAS torch was built with (MKL in the PyPI wheels), which packs its operands anew at
-every call; on this project's AMD EPYC it ran a decoding step's GEMMs at 60-95 GFLOP/s on one core, oneDNN with the
+every call; on this project's AMD EPYC it ran a decoding step's GEMMs at 75-98 GFLOP/s on one core, oneDNN with the
 weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what TorchInductor's CPU
-freezing pass does for inference) at up to 220, with the same sums to 1e-4 (another order of the same fp32 adds):
-`bench/cpu_linear.py`. A search packs the weights once, runs every nn.Linear (and the head tied to the embedding)
-through `torch.ops.mkldnn._linear_pointwise` where a call is large enough to gain (`MIN_MACS`), and puts them back
-after.
+freezing pass does for inference) at 95-227, with the same sums to 1e-4 (another order of the same fp32 adds):
+`bench/cpu_linear.py`, bench/results/cpu_linear_2026-11-26.json. A search packs the weights once, runs every
+nn.Linear (and the head tied to the embedding) through `torch.ops.mkldnn._linear_pointwise` where a call is large
+enough to gain (`MIN_MACS`), and puts them back after.
 
 It applies only where it is the same computation: fp32 weights on a CPU, no autograd, no CPU autocast, a torch
 built with oneDNN. Elsewhere (CUDA, bf16, a training step) `prepacked_linears` does nothing.
@@ -45,7 +45,7 @@ def applies(model: nn.Module) -> bool:
 
 
 # oneDNN's call costs about 10 us more than F.linear's: below about 2^20 multiply-adds a call (a step with a few
-# rows left, one sentence), F.linear is as fast or faster; from there on oneDNN is 1.3-2.7x faster
+# rows left, one sentence), F.linear is as fast or faster (0.2-1.04x); from there on oneDNN is 1.2-2.5x faster
 # (bench/results/cpu_linear_2026-11-26.json)
 MIN_MACS = 1 << 20
 
