@@ -8,6 +8,7 @@ Where namespaces cannot be made (not Linux, not root, no iproute2), the tests sk
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -206,15 +207,17 @@ def test_usr1_requeues_the_two_node_fit_and_it_resumes_to_the_uninterrupted_loss
 
 
 # ---------------------------------------------------------------------------------------------- studies
+DATABASES = itertools.count()  # one count for every module whose cluster uses pg_url (one server per session)
+
+
 @pytest.fixture(scope="module")
 def pg_url(two_nodes, postgres):
     """New databases on the suite's PostgreSQL server (`postgres`: on the host, listening on 127.0.0.1 only), which
     the jobs reach over the bridge address through a relay: postgresql://attnlab@<bridge>:<relay port>/<db>."""
     relay = Relay(two_nodes.net.host_addr, ("127.0.0.1", postgres.port))
     relay.start()
-    n = iter(range(100))
     try:
-        yield lambda: postgres.new_database(f"two_nodes_{os.getpid()}_{next(n)}").replace(
+        yield lambda: postgres.new_database(f"two_nodes_{os.getpid()}_{next(DATABASES)}").replace(
             f"127.0.0.1:{postgres.port}", f"{two_nodes.net.host_addr}:{relay.port}")
     finally:
         relay.stop()
