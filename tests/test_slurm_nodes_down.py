@@ -49,6 +49,9 @@ def test_a_node_that_goes_down_mid_study_requeues_its_worker_which_resumes_the_f
     checkpoint: the trial's per-step losses equal an uninterrupted fit's, each point has one COMPLETE trial, no
     claim is a duplicate and none was declared lost. node1's slurmd is then restarted and the node returns."""
     monkeypatch.chdir(tmp_path)
+    # one intra-op thread in the jobs (sbatch passes the environment on) and in the reference fit below: the same
+    # sums at every step (with 2 threads on a loaded machine the losses differed in the 7th digit at step 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     recipe = write_lm_recipe(tmp_path, max_steps=DOWN_STEPS, ckpt_every=5, log_every=1)
     spec_path = tmp_path / "down.yaml"
     spec_path.write_text(f"base: {recipe}\nfinal_eval: false\nmetric: {{name: val/loss, direction: min}}\n"
@@ -85,7 +88,12 @@ def test_a_node_that_goes_down_mid_study_requeues_its_worker_which_resumes_the_f
 
         # while slurmctld waits out SlurmdTimeout: the same point's fit, uninterrupted, in this process
         v = next(p for p in spec.points() if p.point_id == victim.user_attrs["point_id"])
-        reference = run_metrics(fit(trial_experiment(spec, tmp_path / "reference", v.variant.overrides, v.seed)))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            reference = run_metrics(fit(trial_experiment(spec, tmp_path / "reference", v.variant.overrides, v.seed)))
+        finally:
+            torch.set_num_threads(threads)
 
         wait_for(lambda: two_nodes.states(on_node1).get(on_node1) == "PENDING", 120,
                  f"{on_node1} was not requeued after node1 died\n{read_logs(logs)}", two_nodes.dir)
