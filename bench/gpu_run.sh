@@ -264,20 +264,20 @@ if wanted base_peer; then
               | tail -1)/
       [ -f "${SPLIT}test.jsonl" ] || SPLIT=""
     fi
-  fi
-  if [ -f "$PEER" ] && [ -z "$SPLIT" ]; then
-    echo "== base_peer: could not build the split under $OUT/data_base (see base_peer.log)"
-    record base_peer "failed (no split under $OUT/data_base: see base_peer.log)" 0
-  elif [ -f "$PEER" ]; then
-    PEER_TEST="${SPLIT}test.jsonl"
-    if [ "$DRY" = 1 ]; then  # a toy peer decodes up to 1.5 x the source + 10 tokens a sentence: test on 40 of them
-      PEER_TEST="$OUT/peer_test_head.jsonl"; head -40 "${SPLIT}test.jsonl" > "$PEER_TEST"
+    if [ -z "$SPLIT" ]; then
+      echo "== base_peer: could not build the split under $OUT/data_base (see base_peer.log)"
+      record base_peer "failed (no split under $OUT/data_base: see base_peer.log)" 0
+    else
+      PEER_TEST="${SPLIT}test.jsonl"
+      if [ "$DRY" = 1 ]; then  # a toy peer decodes up to 1.5 x the source + 10 tokens a sentence: test on 40
+        PEER_TEST="$OUT/peer_test_head.jsonl"; head -40 "${SPLIT}test.jsonl" > "$PEER_TEST"
+      fi
+      # the test file first (the peer tests on it); no source of any of these files is trained on
+      step base_peer $L_PEER "$PY" "$PEER" --split-from "$PEER_TEST" "${SPLIT}test.jsonl" "${SPLIT}valid.jsonl" \
+        --locale-dir "$LOCALE" --hyp-out "$OUT/base_peer_hyps.txt" "${PEER_ARGS[@]}"
+      "$PY" bench/peer_score.py "$PEER_TEST" "$OUT/base_peer_hyps.txt" --log "$OUT/base_peer.log" \
+        --attnlab "$OUT/base_bleu.json" --json "$OUT/base_peer.json" | tee -a "$OUT/base_peer.log"
     fi
-    # the test file first (the peer tests on it); no source of any of these files is trained on
-    step base_peer $L_PEER "$PY" "$PEER" --split-from "$PEER_TEST" "${SPLIT}test.jsonl" "${SPLIT}valid.jsonl" \
-      --locale-dir "$LOCALE" --hyp-out "$OUT/base_peer_hyps.txt" "${PEER_ARGS[@]}"
-    "$PY" bench/peer_score.py "$PEER_TEST" "$OUT/base_peer_hyps.txt" --log "$OUT/base_peer.log" \
-      --attnlab "$OUT/base_bleu.json" --json "$OUT/base_peer.json" | tee -a "$OUT/base_peer.log"
   fi
 fi
 
