@@ -27,11 +27,11 @@ _LOCK = threading.Lock()  # searches on several threads (translate_lines' worker
 _STATE = "_attnlab_prepacked"  # on the model while packed: [how many searches use it, the linears, the tied head]
 
 
-def _ops() -> tuple | None:
+def _has_ops() -> bool:
     try:
-        return torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+        return bool(torch.ops.mkldnn._reorder_linear_weight and torch.ops.mkldnn._linear_pointwise)
     except (AttributeError, RuntimeError):  # a torch built without oneDNN
-        return None
+        return False
 
 
 def applies(model: nn.Module) -> bool:
@@ -39,7 +39,7 @@ def applies(model: nn.Module) -> bool:
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.is_available():
         return False
     params = list(model.parameters())
-    return bool(params) and _ops() is not None and all(
+    return bool(params) and _has_ops() and all(
         p.device.type == "cpu" and p.dtype == torch.float32 and type(p.detach()) is torch.Tensor  # not FSDP's DTensor
         for p in params)
 
