@@ -10,7 +10,9 @@ CTranslate2 implements), fp32 (float32 compute in CTranslate2). At each thread c
 three processes, one after the other, each alone on the machine:
 
     attnlab                     `translate_lines`, what `attnlab test` and `translate` run: N batches at once, each
-                                on one thread (`--workers`); on CUDA also with decode.cuda_graph
+                                on one thread (`--workers`), in its own batches (on a CPU by tokens:
+                                evaluate.batch_sizes; `--config-batches` adds rows in the decode config's); on CUDA
+                                also with decode.cuda_graph
     ctranslate2                 CTranslate2 as its users set it up: `Translator(inter_threads=N, intra_threads=1)`,
                                 one `translate_batch` of every sentence in batches of --ct2-tokens tokens
                                 (`max_batch_size`, `batch_type="tokens"`), its one maximum length the largest of the
@@ -44,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Env, need, print_table, run_row, write_json  # noqa: E402
 
+from attnlab import evaluate  # noqa: E402
 from attnlab.decode import position_cap  # noqa: E402
 from attnlab.evaluate import load_module, load_tokenizer, run_dir_of, translate_lines  # noqa: E402
 from attnlab.experiment import load_experiment  # noqa: E402
@@ -108,21 +111,30 @@ def run_engine(spec: dict) -> list[dict]:
                              "hyps": hyps, "config": {**ct2_cfg, **kw}, **cublas_files(spec["device"])})
         return rows
     module, tok = load_module(spec["ckpt"]), load_tokenizer(spec["ckpt"])
-    # fairseq's length penalty (the one both implement), the decode config's batching unless --max-tokens
-    cfg = module.decode_cfg.replace(penalty="fairseq", **spec["decode"])
+    cfg = module.decode_cfg.replace(penalty="fairseq")  # fairseq's length penalty: the one both implement
     device = torch.device(spec["device"])
     engine = "ctranslate2" if spec["engine"] != "attnlab" else "attnlab"
     for beam in spec["beams"]:
+        # translate_lines' own batches (evaluate.batch_sizes) unless --batch-sentences / --max-tokens; with
+        # --config-batches also the decode config's as they are, which a CPU's own do not use
+        given = (spec["decode"].get("batch_sentences"), spec["decode"].get("max_tokens"))
+        own = evaluate.batch_sizes(cfg, device, beam, *given)
+        sizes = [(own, "")]
+        if spec["config_batches"] and engine == "attnlab" and own != (cfg.batch_sentences, cfg.max_tokens):
+            sizes.append(((cfg.batch_sentences, cfg.max_tokens), ", the decode config's batches"))
         for graph in (False, True) if spec["device"] == "cuda" and engine == "attnlab" else (False,):
-            module.decode_cfg = cfg.replace(cuda_graph=graph)
-            seconds, out = timed(lambda beam=beam: translate_lines(
-                module, tok, spec["lines"], beam=beam, device=device, engine=engine, ckpt_path=spec["ckpt"],
-                workers=workers), spec["repeats"])
-            name = spec["engine"] + (", " if engine != "attnlab" else " ") + f"beam {beam}"
-            rows.append({"row": name + (", decode.cuda_graph" if graph else ""), "beam": beam, **speed(seconds, n),
-                         "texts": out, "config": {**module.decode_cfg.to_dict(), "engine": engine, "workers": workers,
-                                                  "torch_threads": torch.get_num_threads()},
-                         **(cublas_files(spec["device"]) if engine != "attnlab" else {})})
+            for (bs, tokens), what in sizes:
+                module.decode_cfg = cfg.replace(cuda_graph=graph)
+                seconds, out = timed(lambda beam=beam, bs=bs, tokens=tokens: translate_lines(
+                    module, tok, spec["lines"], beam=beam, device=device, engine=engine, ckpt_path=spec["ckpt"],
+                    workers=workers, batch_sentences=bs, max_tokens=tokens), spec["repeats"])
+                name = spec["engine"] + (", " if engine != "attnlab" else " ") + f"beam {beam}"
+                batches = {"batch_sentences": bs, "max_tokens": tokens} if engine == "attnlab" else {}
+                rows.append({"row": name + (", decode.cuda_graph" if graph else "") + what, "beam": beam,
+                             **speed(seconds, n), "texts": out,
+                             "config": {**module.decode_cfg.to_dict(), "engine": engine, **batches,
+                                        "workers": workers, "torch_threads": torch.get_num_threads()},
+                             **(cublas_files(spec["device"]) if engine != "attnlab" else {})})
         if spec["int8"]:
             rows.append(int8_row(module, tok, spec, beam, engine, workers))
     return rows
@@ -145,9 +157,10 @@ def int8_row(module, tok, spec: dict, beam: int, engine: str, workers: int | Non
         else:
             export_ct2.compute_type = lambda dtype: "int8"
         try:
-            seconds, out = timed(lambda: translate_lines(module, tok, spec["lines"], beam=beam, device="cpu",
-                                                         engine=engine, ckpt_path=spec["ckpt"], workers=workers),
-                                 spec["repeats"])
+            seconds, out = timed(lambda: translate_lines(
+                module, tok, spec["lines"], beam=beam, device="cpu", engine=engine, ckpt_path=spec["ckpt"],
+                workers=workers, batch_sentences=spec["decode"].get("batch_sentences"),
+                max_tokens=spec["decode"].get("max_tokens")), spec["repeats"])
         finally:
             module.model, export_ct2.compute_type = fp32, real
     what = "attnlab int8 (torch dynamic)" if engine == "attnlab" else "attnlab --engine ctranslate2 int8"
@@ -211,9 +224,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--limit", type=int, default=0, help="at most this many test sentences (0: all)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="decode.max_tokens for attnlab and its engine (default: the run's decode config)")
+                   help="source tokens a batch for attnlab and its engine (default: translate_lines' own)")
     p.add_argument("--batch-sentences", type=int, default=None,
-                   help="decode.batch_sentences for attnlab (default: the run's decode config)")
+                   help="sentences a batch for attnlab (default: translate_lines' own)")
+    p.add_argument("--config-batches", action="store_true",
+                   help="also attnlab rows in the run's decode config's batches, where its own differ (a CPU's)")
     p.add_argument("--ct2-tokens", type=int, default=4096, help="the ctranslate2 row's max_batch_size in tokens")
     p.add_argument("--engines", default=",".join(ENGINES), help="rows to run, comma-separated, of: " +
                    ", ".join(ENGINES))
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = dict(ckpt=str(args.ckpt), folder=str(folder), device=args.device, lines=srcs, tokens=[
         [vocab[t] for t in s] for s in ids], limits=limits, len_penalty=cfg.len_penalty, ct2_tokens=args.ct2_tokens,
         beams=[int(b) for b in args.beams.split(",")], repeats=args.repeats, decode=decode,
-        int8=args.int8 and args.device == "cpu")
+        int8=args.int8 and args.device == "cpu", config_batches=args.config_batches)
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
     engines = [e.strip() for e in args.engines.split(",")]
     env = Env(torch.device(args.device), False, None, float("nan"))

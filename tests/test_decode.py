@@ -441,3 +441,38 @@ def test_translate_lines_gives_the_sequential_texts_on_any_number_of_workers(tok
         assert translate_lines(module, tokenizer, lines, beam=beam, device="cpu", max_tokens=60,
                                workers=workers) == alone
         assert 2 <= len(set(seen)) <= workers and torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_translate_lines_on_a_cpu_batches_by_tokens_whatever_the_decode_configs_sentences(tokenizer, beam,
+                                                                                          monkeypatch):
+    """On a CPU translate_lines' batches hold up to 1,024 rows (sentences x beam) and decode.max_tokens but at most
+    4,096 source tokens, not decode.batch_sentences (a GPU's memory bound: small batches on a CPU pay a step's fixed
+    cost for few sentences); sizes given to it win; on CUDA the decode config's stand. The texts are those of the
+    decode config's batches."""
+    from attnlab import evaluate
+    from attnlab.config import DecodeConfig
+    from attnlab.lit import Seq2SeqModule
+    from conftest import make_pairs
+
+    decode = DecodeConfig(batch_sentences=8, max_tokens=8192)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert evaluate.batch_sizes(decode, cpu, beam) == (1024 // beam, 4096)
+    assert evaluate.batch_sizes(decode.replace(max_tokens=300), cpu, beam) == (1024 // beam, 300)
+    assert evaluate.batch_sizes(decode.replace(max_tokens=0), cpu, beam) == (1024 // beam, 4096)
+    assert evaluate.batch_sizes(decode, cpu, beam, 5, 0) == (5, 0)
+    assert evaluate.batch_sizes(decode, cuda, beam) == (8, 8192)
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_enc_layers=1, n_dec_layers=1,
+                      dropout=0.0)
+    torch.manual_seed(0)
+    module = Seq2SeqModule(cfg.to_dict(), {}, {"max_len_a": 0.5, "max_len_b": 4, "batch_sentences": 8})
+    jitter(module.model, seed=3)
+    lines = [s for s, _ in make_pairs(60, seed=11)]
+    sizes: list[tuple[int, int]] = []
+    real = evaluate.token_batches
+    monkeypatch.setattr(evaluate, "token_batches", lambda n, bs, mt=0: sizes.append((bs, mt)) or real(n, bs, mt))
+    own = evaluate.translate_lines(module, tokenizer, lines, beam=beam, device="cpu", workers=1)
+    by_config = evaluate.translate_lines(module, tokenizer, lines, beam=beam, device="cpu", workers=1,
+                                         batch_sentences=8, max_tokens=8192)
+    assert sizes == [(1024 // beam, 4096), (8, 8192)]
+    assert own == by_config and all(own)

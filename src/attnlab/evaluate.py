@@ -123,6 +123,23 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
 # CTranslate2's batches on a CPU, in source tokens (padding counted): the fastest of 2,048, 4,096 and 8,192 on the
 # demo's 918 test sentences at 2 threads when it was chosen (commit 3220d31; that comparison kept no raw file)
 CPU_ENGINE_TOKENS = 2048
+# attnlab's own batches on a CPU: by tokens, as CTranslate2's users batch (4,096 source tokens, padding counted), and
+# at most 1,024 rows (sentences x beam: the logits of a step, rows x vocabulary floats, stay a few hundred MB).
+# A step's fixed cost (about 1 ms of Python and small kernels on the demo model) is then shared by many sentences:
+# on the demo's 918 test sentences, 1 thread, greedy 1,250 sent/s against 830-980 in batches of 128 sentences
+# (bench/results/decode_cpu_batching_2026-11-27.json)
+CPU_TOKENS, CPU_ROWS = 4096, 1024
+
+
+def batch_sizes(decode: DecodeConfig, device: torch.device, beam: int, batch_sentences: int | None = None,
+                max_tokens: int | None = None) -> tuple[int, int]:
+    """(sentences, source tokens; 0 = no limit) of attnlab's decoding batches: `batch_sentences` and `max_tokens`
+    when given; else on CUDA the decode config's (decode.batch_sentences bounds a batch's memory there), on a CPU at
+    most CPU_ROWS // beam sentences and the smaller of decode.max_tokens and CPU_TOKENS tokens."""
+    sentences, tokens = decode.batch_sentences, decode.max_tokens
+    if device.type == "cpu":
+        sentences, tokens = max(CPU_ROWS // max(beam, 1), 1), min(tokens or CPU_TOKENS, CPU_TOKENS)
+    return batch_sentences or sentences, tokens if max_tokens is None else max_tokens
 
 
 @torch.no_grad()
@@ -134,17 +151,19 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     """Translate raw text lines on `device` (default: `pick_device()`), under autocast to `dtype` when given.
     `engine` (default: the module's decode.engine): attnlab, or ctranslate2 on the checkpoint file `ckpt_path`
     (the module's weights; converted once and cached: export_ct2.converted).
-    Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens
-    (default: the module's decode config), and put back in order. On a CPU `workers` batches (default: torch's
-    thread count) are decoded at once, each on one thread (`batch_workers`); the texts do not depend on it.
+    Batches are formed by length (less padding): at most `batch_sentences` sentences and `max_tokens` source tokens,
+    and put back in order. Their defaults (`batch_sizes`): on CUDA the module's decode config; on a CPU batches by
+    tokens (at most 1,024 rows of sentences x beam, and decode.max_tokens but at most 4,096 tokens), where a small
+    batch pays a step's fixed cost for few sentences. On a CPU
+    `workers` batches (default: torch's thread count) are decoded at once, each on one thread (`batch_workers`); the
+    texts depend on neither.
     CTranslate2 takes batches of `max_tokens` tokens (on a CPU at most CPU_ENGINE_TOKENS) whatever their sentences.
     Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
     warning (a learned position table ends there; other positions were never trained beyond it either, and the
     output budget a * length + b grows with it)."""
     cfg = module.model_cfg
-    bs = batch_sentences or module.decode_cfg.batch_sentences
-    max_tok = module.decode_cfg.max_tokens if max_tokens is None else max_tokens
     dev = device if isinstance(device, torch.device) else pick_device(device)
+    beam = beam or module.decode_cfg.beam
     eos = module.eos_id
     limit = cfg.max_seq_len
     encoded = []
@@ -165,14 +184,16 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
         from .export_ct2 import ct2_translate  # the ctranslate2 extra
 
         # batches by tokens alone; on a CPU at most CPU_ENGINE_TOKENS, so that its workers share them evenly
-        tokens = min(max_tok or CPU_ENGINE_TOKENS, CPU_ENGINE_TOKENS) if dev.type == "cpu" else max_tok
+        tokens = module.decode_cfg.max_tokens if max_tokens is None else max_tokens
+        tokens = min(tokens or CPU_ENGINE_TOKENS, CPU_ENGINE_TOKENS) if dev.type == "cpu" else tokens
         batches = [[todo[j] for j in b] for b in token_batches(lengths, max(len(todo), 1), tokens)]
-        ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam or module.decode_cfg.beam, dev, dtype,
-                            cap=position_cap(cfg), workers=workers)
+        ids = ct2_translate(ckpt_path, encoded, batches, module.decode_cfg, beam, dev, dtype, cap=position_cap(cfg),
+                            workers=workers)
         for i, h in zip(todo, tokenizer.decode_batch([ids[i] for i in todo]), strict=True):
             out[i] = h
         return out
-    batches = [[todo[j] for j in b] for b in token_batches(lengths, bs, max_tok)]
+    batches = [[todo[j] for j in b] for b in token_batches(
+        lengths, *batch_sizes(module.decode_cfg, dev, beam, batch_sentences, max_tokens))]
     module.to(dev)
 
     def translate(idx: list[int]) -> None:
