@@ -10,7 +10,8 @@ Conventions shared by the translation searches:
 - `static_cache` preallocates the self-attention keys/values (StaticKVCache) instead of growing them; the
   results are the same (and on a CPU slower: the buffers are sized for the batch's longest output).
 - A sentence that is done leaves the batch with its cache rows; each step reads one thing back to the host
-  (which rows are done), and the batch shrinks on the device with the indices built from it.
+  (greedy: the step's tokens, whose bookkeeping is then the host's; beam search: which sentences are done), and
+  the batch shrinks on the device with the indices built from it.
 - `graph=True` keeps every row to the end instead (finished ones idle, their outputs frozen) over a StaticKVCache
   whose position lives on the device, so that every decoder step has the same shapes and addresses: on CUDA the
   step is captured once as a CUDA graph and replayed (decode_graph.DecodeStep); elsewhere it runs eagerly, as a
@@ -133,7 +134,9 @@ def greedy_search(
 
     A row stops at its EOS or its max length and leaves the batch (its cache rows too: a finished row costs
     nothing more, as in CTranslate2); the search ends when every row has. EOS cannot come before `min_len`
-    output tokens. `graph`: every row stays, one CUDA graph per step (module docstring)."""
+    output tokens. Each step reads its tokens back (its one host read) and the outputs, lengths and stops are kept
+    on the host, not by operators on the device. `graph`: every row stays, one CUDA graph per step (module
+    docstring)."""
     if graph:
         _check_graph(model, "graph=True")
     B = src.shape[0]
@@ -145,33 +148,54 @@ def greedy_search(
     memory, src_pad = model.encode(src)  # (B, S, d), (B, S)
     cache = _new_cache(model, static_cache or graph, L + 1)
     model.cache_cross_attention(memory, cache)
-    step = DecodeStep.translation(model, cache, src_pad, B) if graph else None
-    out = torch.full((B, max(L, 1)), pad_id, dtype=torch.long, device=src.device)  # (B, L) every row's tokens
-    rows = torch.arange(B, device=src.device)  # (n,) the row of `out` of each live row
-    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (n, 1)
-    ended = limit.le(0)  # (n,) no budget left
+    if graph:
+        return _greedy_graph(model, cache, src_pad, limit, L, bos_id, eos_id, pad_id, min_len)
+    dev = src.device
+    budget = limit.tolist()  # (B,) each sentence's most tokens, on the host
+    banned = torch.tensor([pad_id], device=dev)  # PAD never; EOS too before min_len
+    banned_eos = torch.tensor([pad_id, eos_id], device=dev)
+    outs: list[list[int]] = [[] for _ in range(B)]  # each sentence's tokens, on the host
+    rows = list(range(B))  # the sentence of each live row
+    done = [n <= 0 for n in budget]  # (n,) each live row's: no budget left, or EOS
+    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=dev)  # (n, 1)
     for t in range(L + 1):
-        flags = _host_flags(ended)
-        if all(flags):
+        if all(done):
             break
-        if any(flags) and step is None:  # finished rows leave the batch
-            keep = torch.tensor([i for i, f in enumerate(flags) if not f], device=src.device)  # (n',)
-            cache.reorder(keep)
-            rows, limit, tok, src_pad = rows[keep], limit[keep], tok[keep], src_pad[keep]
-        if step is not None:
-            logits = step(tok).float()  # (B, V) the graph's output, overwritten by the next replay
-        else:
-            logits = _step_logits(model, tok, src_pad, cache).float()  # (n, V)
+        if any(done):  # finished rows leave the batch, with their cache rows
+            keep = [i for i, f in enumerate(done) if not f]
+            index = torch.tensor(keep, device=dev)  # (n',)
+            cache.reorder(index)
+            tok, src_pad, rows = tok[index], src_pad[index], [rows[i] for i in keep]  # (n', 1), (n', S)
+        logits = _step_logits(model, tok, src_pad, cache)  # (n, V)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        logits.index_fill_(1, banned_eos if t < min_len else banned, NEG_INF)
+        tok = logits.argmax(-1, keepdim=True)  # (n, 1)
+        done = []
+        for r, x in zip(rows, tok.view(-1).tolist(), strict=True):  # the step's one read: its tokens
+            outs[r].append(x)
+            done.append(x == eos_id or len(outs[r]) >= budget[r])
+    return [_strip(row, eos_id, pad_id) for row in outs]
+
+
+def _greedy_graph(model, cache: KVCache, src_pad: torch.Tensor, limit: torch.Tensor, L: int, bos_id: int,
+                  eos_id: int, pad_id: int, min_len: int) -> list[list[int]]:
+    """greedy_search with graph=True: every row stays to the end (a finished one's output frozen), each step one
+    fixed-shape DecodeStep; the step reads whether every row is done."""
+    B, dev = limit.shape[0], limit.device
+    step = DecodeStep.translation(model, cache, src_pad, B)
+    out = torch.full((B, max(L, 1)), pad_id, dtype=torch.long, device=dev)  # (B, L) every row's tokens
+    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=dev)  # (B, 1)
+    ended = limit.le(0)  # (B,) no budget left
+    for t in range(L + 1):
+        if all(_host_flags(ended)):
+            break
+        logits = step(tok).float()  # (B, V) the graph's output, overwritten by the next replay
         logits[:, pad_id] = NEG_INF
         if t < min_len:
             logits[:, eos_id] = NEG_INF
-        tok = logits.argmax(-1, keepdim=True)  # (n, 1)
-        if step is None:
-            out[rows, t] = tok[:, 0]
-            ended = tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (n,)
-        else:  # every row stays: a finished one's output is frozen
-            out[:, t] = tok[:, 0].masked_fill(ended, pad_id)
-            ended = ended | tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (B,)
+        tok = logits.argmax(-1, keepdim=True)  # (B, 1)
+        out[:, t] = tok[:, 0].masked_fill(ended, pad_id)
+        ended = ended | tok[:, 0].eq(eos_id) | limit.le(t + 1)  # (B,)
     return [_strip(row, eos_id, pad_id) for row in out.tolist()]
 
 

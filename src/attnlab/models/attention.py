@@ -94,6 +94,14 @@ class KVCache:
         self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.pos: int | torch.Tensor = 0
+        self.cross_mask: Mask | None = None  # the cross-attention mask of the last step's source padding
+
+    def source_mask(self, memory_pad: torch.Tensor) -> Mask:
+        """The cross-attention mask of memory_pad (B, S), True at padding: made once and kept while the steps pass the
+        same padding tensor (a search passes it again until sentences leave), not rebuilt at every step."""
+        if self.cross_mask is None or self.cross_mask.key_pad is not memory_pad:
+            self.cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad)  # (B, 1, 1, S)
+        return self.cross_mask
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: Mask
@@ -118,6 +126,7 @@ class KVCache:
 
     def select_cross(self, index: torch.Tensor) -> None:
         """Keep the cross-attention rows `index` (the sentences still decoding)."""
+        self.cross_mask = None  # of the rows before
         for i, kv in enumerate(self.cross_kv):
             if kv is not None:
                 self.cross_kv[i] = (select_rows(kv[0], index), select_rows(kv[1], index))
@@ -257,23 +266,33 @@ class Attention(nn.Module):
                 k, v = cached
             # cached K/V may have fewer rows than x (Bs = B / g: a sentence's g beams share its row): its g rows of
             # queries attend as g*T queries of one row, so the keys are read once per sentence, not once per beam
-            q = self.q_proj(x).view(k.shape[0], -1, self.n_heads, self.hd)  # (Bs, g*T, H, hd)
-            q = self.q_norm(q) if self.q_norm is not None else q
-            q = q.transpose(1, 2)  # (Bs, H, g*T, hd)
+            if B * T == k.shape[0] and self.q_norm is None:  # one query a row (greedy): as it lies, one op
+                q = self.q_proj(x).view(B, self.n_heads, 1, self.hd)  # (Bs, H, 1, hd)
+            else:
+                q = self.q_proj(x).view(k.shape[0], -1, self.n_heads, self.hd)  # (Bs, g*T, H, hd)
+                q = self.q_norm(q) if self.q_norm is not None else q
+                q = q.transpose(1, 2)  # (Bs, H, g*T, hd)
         else:
             qkv = self.qkv_proj(x)  # (B, T, (H + Hkv) hd + Hkv hd_v)
             q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd_v], dim=-1)
-            q = q.view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
-            k = k.view(B, T, self.n_kv, self.hd)  # (B, T, Hkv, hd)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd_v).transpose(1, 2)
+            if T == 1 and self.q_norm is None:  # a decoding step: (B, 1, H*hd) is (B, H, 1, hd) as it lies, one op
+                q, k, v = q.view(B, self.n_heads, 1, self.hd), k.view(B, self.n_kv, 1, self.hd), v.view(
+                    B, self.n_kv, 1, self.hd_v)  # (B, H|Hkv, 1, hd|hd_v)
+            else:
+                q = q.view(B, T, self.n_heads, self.hd)  # (B, T, H, hd)
+                k = k.view(B, T, self.n_kv, self.hd)  # (B, T, Hkv, hd)
+                if self.q_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv, self.hd_v).transpose(1, 2)
             if rope is not None:  # rotate new queries and keys at their absolute positions
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (B, H|Hkv, T, hd)
             if cache is not None:  # every key/value so far, (B, Hkv, Tk, hd); a static cache may replace the mask
                 k, v, mask = cache.append(layer, k, v, mask)
         y = self._attend(q, k, v, mask)  # (B|Bs, H, T|g*T, hd_v)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd_v)  # (B, T, H*hd_v)
+        if y.shape[2] == 1:  # one query a row: (B, H, 1, hd_v) is (B, 1, H*hd_v) as it lies
+            y = y.reshape(B, T, self.n_heads * self.hd_v)  # (B, 1, H*hd_v)
+        else:
+            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd_v)  # (B, T, H*hd_v)
         return self.out_proj(y)  # (B, T, d)
 
     def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

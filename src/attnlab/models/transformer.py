@@ -78,11 +78,17 @@ class Stack(nn.Module):
         start = cache.pos if cache is not None else 0  # an int, or a 0-d device tensor (StaticKVCache)
         x = self.embed(ids) * self.embed_scale  # (B, T, d)
         if self.positions is not None:  # in the activations' dtype: fp32 positions would promote bf16 weights' x
-            x = x + self.positions(start, T, ids.device).to(x.dtype)  # (B, T, d) + (T, d)
+            pos = self.positions(start, T, ids.device)  # (T, d)
+            x = x + (pos if pos.dtype == x.dtype else pos.to(x.dtype))  # (B, T, d) + (T, d)
         x = active_dropout(self.drop)(apply_norm(self.embed_norm, x))  # (B, T, d)
         key_pad = ids.eq(self.cfg.pad_id) if padded and not self.causal else None  # (B, T) True at padding
         mask = self._self_mask(T, start + T, start, key_pad, ids.device)
-        cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad) if memory_pad is not None else Mask()
+        if memory_pad is None:
+            cross_mask = Mask()
+        elif cache is not None:  # the same padding at every step of a search: its mask is made once
+            cross_mask = cache.source_mask(memory_pad)
+        else:
+            cross_mask = Mask(bias=~memory_pad[:, None, None, :], key_pad=memory_pad)  # (B, 1, 1, S)
         rope = self.rope(start, T, ids.device) if self.rope is not None else None  # (T, r) cos and sin
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, memory=memory, cross_mask=cross_mask, rope=rope, cache=cache, layer=i)  # (B, T, d)
