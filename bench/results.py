@@ -301,14 +301,15 @@ def t_lm_decode(data: dict) -> tuple[str, str]:
 
 def ct2_ratios(data: dict, engine: str, threads: object = "-") -> list[tuple[int, object, float]]:
     """(beam, threads, best `engine` row's sent/s over CTranslate2's own at the same beam and threads, at the
-    sentences' own maximum length)."""
+    sentences' own maximum length). attnlab's rows in batches other than its own (--config-batches) are not its
+    decoding as users run it: they do not count."""
     out = []
     for ct2 in rows_of(data, engine="ctranslate2"):
         if not ct2["row"].startswith("ctranslate2 beam") or "max_decoding_length" in ct2["row"]:
             continue
         ours = [r for r in rows_of(data, beam=ct2["beam"], threads=ct2.get("threads"))
                 if r["engine"] in (engine, f"attnlab --engine {engine}")
-                and r["row"].startswith(("attnlab beam", "attnlab --engine"))]
+                and r["row"].startswith(("attnlab beam", "attnlab --engine")) and "batches" not in r["row"]]
         if ours:
             out.append((ct2["beam"], ct2.get("threads"), best(ours, "sent_per_s")["sent_per_s"] / ct2["sent_per_s"]))
     if not out:  # a target met by no row at all would read "yes"

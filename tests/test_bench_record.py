@@ -198,6 +198,18 @@ def test_a_decoding_target_without_its_rows_is_an_error_not_a_yes(tmp_path):
         results.TARGETS = old
 
 
+def test_the_cpu_decoding_target_counts_attnlabs_own_batches_only():
+    """A row in the decode config's batches (--config-batches: not how translate_lines batches on a CPU) does not
+    count toward the CPU target, however fast; attnlab's own row does."""
+    row = {"threads": 2, "beam": 1, "status": "ok", "sentences": 10}
+    data = {"rows": [{**row, "row": "ctranslate2 beam 1", "engine": "ctranslate2", "sent_per_s": 1000.0},
+                     {**row, "row": "attnlab beam 1", "engine": "attnlab", "sent_per_s": 700.0},
+                     {**row, "row": "attnlab beam 1, the decode config's batches", "engine": "attnlab",
+                      "sent_per_s": 900.0}]}
+    assert results.ct2_ratios(data, "attnlab") == [(1, 2, 0.7)]
+    assert results.t_ct2_cpu(data)[1] == "no"
+
+
 # ------------------------------------------------------------------------------------------------ fit_vs_bench
 def run_dir(tmp_path: Path, rows: list[str], devices: int = 1) -> Path:
     run = tmp_path / "run"
