@@ -21,7 +21,8 @@ three processes, one after the other, each alone on the machine:
     attnlab --engine ctranslate2  `translate_lines(engine="ctranslate2")`: the checkpoint converted once into
                                 <run dir>/ct2/, each sentence's own maximum length kept (export_ct2.ct2_translate)
 
-Each row: sentences/s of the mean of --repeats passes after a warm-up pass (and of the fastest), the share of
+Each row: sentences/s of the mean of --repeats passes after warm-up passes (one, and more for --warmup seconds;
+and of the fastest pass), the share of
 sentences whose text is attnlab's own (attnlab's row at the first thread count, same beam), the test BLEU, what
 ran (`config`), the load average before and after and the share of the CPUs other processes took meanwhile
 (`--wait-idle` waits for idle CPUs first). `--in-process` runs the rows in this process instead (for the tests:
@@ -56,9 +57,13 @@ from attnlab.train import prepare  # noqa: E402
 ENGINES = ("attnlab", "ctranslate2", "attnlab --engine ctranslate2")
 
 
-def timed(fn, repeats: int) -> tuple[list[float], object]:
-    """Seconds of each of `repeats` passes after a warm-up pass, and the last pass's output."""
+def timed(fn, repeats: int, warmup: float = 0.0) -> tuple[list[float], object]:
+    """Seconds of each of `repeats` passes after warm-up passes (one, and more until `warmup` seconds have gone),
+    and the last pass's output."""
+    start = time.perf_counter()
     fn()
+    while time.perf_counter() - start < warmup:
+        fn()
     seconds, out = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -105,7 +110,7 @@ def run_engine(spec: dict) -> list[dict]:
                 kw = dict(beam_size=beam, length_penalty=spec["len_penalty"], max_batch_size=spec["ct2_tokens"],
                           batch_type="tokens", max_decoding_length=length)
                 seconds, results = timed(lambda kw=kw: translator.translate_batch(spec["tokens"], **kw),
-                                         spec["repeats"])
+                                         spec["repeats"], spec["warmup"])
                 hyps = [r.hypotheses[0][:limit] for r, limit in zip(results, spec["limits"], strict=True)]
                 rows.append({"row": f"ctranslate2 beam {beam}{what}", "beam": beam, **speed(seconds, n),
                              "hyps": hyps, "config": {**ct2_cfg, **kw}, **cublas_files(spec["device"])})
@@ -127,7 +132,7 @@ def run_engine(spec: dict) -> list[dict]:
                 module.decode_cfg = cfg.replace(cuda_graph=graph)
                 seconds, out = timed(lambda beam=beam, bs=bs, tokens=tokens: translate_lines(
                     module, tok, spec["lines"], beam=beam, device=device, engine=engine, ckpt_path=spec["ckpt"],
-                    workers=workers, batch_sentences=bs, max_tokens=tokens), spec["repeats"])
+                    workers=workers, batch_sentences=bs, max_tokens=tokens), spec["repeats"], spec["warmup"])
                 name = spec["engine"] + (", " if engine != "attnlab" else " ") + f"beam {beam}"
                 batches = {"batch_sentences": bs, "max_tokens": tokens} if engine == "attnlab" else {}
                 rows.append({"row": name + (", decode.cuda_graph" if graph else "") + what, "beam": beam,
@@ -160,7 +165,7 @@ def int8_row(module, tok, spec: dict, beam: int, engine: str, workers: int | Non
             seconds, out = timed(lambda: translate_lines(
                 module, tok, spec["lines"], beam=beam, device="cpu", engine=engine, ckpt_path=spec["ckpt"],
                 workers=workers, batch_sentences=spec["decode"].get("batch_sentences"),
-                max_tokens=spec["decode"].get("max_tokens")), spec["repeats"])
+                max_tokens=spec["decode"].get("max_tokens")), spec["repeats"], spec["warmup"])
         finally:
             module.model, export_ct2.compute_type = fp32, real
     what = "attnlab int8 (torch dynamic)" if engine == "attnlab" else "attnlab --engine ctranslate2 int8"
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--beams", default="1,4")
     p.add_argument("--limit", type=int, default=0, help="at most this many test sentences (0: all)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="before each row's timed passes, warm-up passes for at least this many seconds (one at least): "
+                        "on the 2-core VM a new process decoded its first seconds 20-40%% slower")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="source tokens a batch for attnlab and its engine (default: translate_lines' own)")
     p.add_argument("--batch-sentences", type=int, default=None,
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = dict(ckpt=str(args.ckpt), folder=str(folder), device=args.device, lines=srcs, tokens=[
         [vocab[t] for t in s] for s in ids], limits=limits, len_penalty=cfg.len_penalty, ct2_tokens=args.ct2_tokens,
         beams=[int(b) for b in args.beams.split(",")], repeats=args.repeats, decode=decode,
-        int8=args.int8 and args.device == "cpu", config_batches=args.config_batches)
+        int8=args.int8 and args.device == "cpu", config_batches=args.config_batches, warmup=args.warmup)
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
     engines = [e.strip() for e in args.engines.split(",")]
     env = Env(torch.device(args.device), False, None, float("nan"))

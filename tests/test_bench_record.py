@@ -210,6 +210,23 @@ def test_the_cpu_decoding_target_counts_attnlabs_own_batches_only():
     assert results.t_ct2_cpu(data)[1] == "no"
 
 
+def test_the_decoding_benchmark_warms_up_for_its_seconds_then_times_its_passes():
+    """decode_vs_ct2.timed: one warm-up pass at least, more until --warmup seconds have gone, then the timed
+    passes, each timed alone."""
+    import time
+
+    import decode_vs_ct2
+
+    calls = []
+    seconds, out = decode_vs_ct2.timed(lambda: calls.append(time.sleep(0.01)) or len(calls), 3)
+    assert len(calls) == 4 and out == 4 and len(seconds) == 3 and all(s >= 0.009 for s in seconds)
+    ends: list[float] = []
+    t0 = time.perf_counter()
+    decode_vs_ct2.timed(lambda: ends.append(time.sleep(0.01) or time.perf_counter()), 2, warmup=0.1)
+    warm = ends[:-2]  # each pass sleeps 10 ms: the warm-up passes end past 0.1 s, the one before them did not
+    assert len(warm) >= 2 and warm[-1] - t0 >= 0.1 and warm[-2] - t0 < 0.1 + 0.005, ends
+
+
 # ------------------------------------------------------------------------------------------------ fit_vs_bench
 def run_dir(tmp_path: Path, rows: list[str], devices: int = 1) -> Path:
     run = tmp_path / "run"
