@@ -125,9 +125,9 @@ def token_batches(lengths: list[int], batch_sentences: int, max_tokens: int = 0)
 CPU_ENGINE_TOKENS = 2048
 # attnlab's own batches on a CPU: by tokens, as CTranslate2's users batch (4,096 source tokens, padding counted), and
 # at most 1,024 rows (sentences x beam: the logits of a step, rows x vocabulary floats, stay a few hundred MB).
-# A step's fixed cost (about 1 ms of Python and small kernels on the demo model) is then shared by many sentences:
-# on the demo's 918 test sentences, 1 thread, greedy 1,250 sent/s against 830-980 in batches of 128 sentences
-# (bench/results/decode_cpu_batching_2026-11-27.json)
+# A step's fixed cost (Python and small kernels: about 0.3 ms on the demo model) is then paid by fewer steps: the
+# demo's 918 test sentences in 6 batches, not 9, decoded 9% faster greedy and 6% at beam 4 on one thread, about 1%
+# on two, than in its recipe's batches of 128 sentences (bench/results/decode_vs_ct2_cpu_2026-11-27.json)
 CPU_TOKENS, CPU_ROWS = 4096, 1024
 
 
