@@ -421,9 +421,11 @@ class DecodeConfig(StrictConfig):
     max_len_b: int = 50  # see max_len_a
     val_beam: int = 1  # beam during validation (1 = greedy, cheaper)
     val_sentences: int = 500  # about this many sentences, every k-th of the split, decoded for BLEU/chrF; 0 = none
-    batch_sentences: int = 64  # at most this many sentences per decoding batch (test, translate)
+    batch_sentences: int = 64  # at most this many sentences per decoding batch on CUDA (test, translate); a CPU
+    # batches by tokens, at most 1,024 rows of sentences x beam (evaluate.batch_sizes)
     # sorted by length, the last batch gathers the long tail (on the demo's test split, 22 sentences padded to 670)
-    max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest); 0 = no limit
+    max_tokens: int = 8192  # and at most this many source tokens (padding counted: n * longest; on a CPU at most
+    # 4,096); 0 = no limit
     average_last: int = 5  # checkpoints averaged for the final model (Vaswani et al. average the last 5)
     # (best_window.py: a short run on a small corpus is past its best by its end)
     average_at: str = "last"  # last: the last average_last checkpoints; best: those up to the lowest val loss
