@@ -11,8 +11,9 @@ three processes, one after the other, each alone on the machine:
 
     attnlab                     `translate_lines`, what `attnlab test` and `translate` run: N batches at once, each
                                 on one thread (`--workers`), in its own batches (on a CPU by tokens:
-                                evaluate.batch_sizes; `--config-batches` adds rows in the decode config's); on CUDA
-                                also with decode.cuda_graph
+                                evaluate.batch_sizes; `--config-batches` adds rows in the decode config's,
+                                `--more-batches` in batches of other sentence counts); on CUDA also with
+                                decode.cuda_graph
     ctranslate2                 CTranslate2 as its users set it up: `Translator(inter_threads=N, intra_threads=1)`,
                                 one `translate_batch` of every sentence in batches of --ct2-tokens tokens
                                 (`max_batch_size`, `batch_type="tokens"`), its one maximum length the largest of the
@@ -127,6 +128,8 @@ def run_engine(spec: dict) -> list[dict]:
         sizes = [(own, "")]
         if spec["config_batches"] and engine == "attnlab" and own != (cfg.batch_sentences, cfg.max_tokens):
             sizes.append(((cfg.batch_sentences, cfg.max_tokens), ", the decode config's batches"))
+        if engine == "attnlab":  # --more-batches: batches of other sentence counts, as many tokens as its own
+            sizes += [((n, own[1]), f", batches of {n} sentences") for n in spec["more_batches"] if n != own[0]]
         for graph in (False, True) if spec["device"] == "cuda" and engine == "attnlab" else (False,):
             for (bs, tokens), what in sizes:
                 module.decode_cfg = cfg.replace(cuda_graph=graph)
@@ -237,6 +240,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="sentences a batch for attnlab (default: translate_lines' own)")
     p.add_argument("--config-batches", action="store_true",
                    help="also attnlab rows in the run's decode config's batches, where its own differ (a CPU's)")
+    p.add_argument("--more-batches", default="",
+                   help="also attnlab rows in batches of these sentence counts, comma-separated (e.g. 256,1024 on "
+                        "CUDA, where its own are the decode config's)")
     p.add_argument("--ct2-tokens", type=int, default=4096, help="the ctranslate2 row's max_batch_size in tokens")
     p.add_argument("--engines", default=",".join(ENGINES), help="rows to run, comma-separated, of: " +
                    ", ".join(ENGINES))
@@ -267,7 +273,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = dict(ckpt=str(args.ckpt), folder=str(folder), device=args.device, lines=srcs, tokens=[
         [vocab[t] for t in s] for s in ids], limits=limits, len_penalty=cfg.len_penalty, ct2_tokens=args.ct2_tokens,
         beams=[int(b) for b in args.beams.split(",")], repeats=args.repeats, decode=decode,
-        int8=args.int8 and args.device == "cpu", config_batches=args.config_batches, warmup=args.warmup)
+        int8=args.int8 and args.device == "cpu", config_batches=args.config_batches, warmup=args.warmup,
+        more_batches=[int(n) for n in args.more_batches.split(",") if n.strip()])
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
     engines = [e.strip() for e in args.engines.split(",")]
     env = Env(torch.device(args.device), False, None, float("nan"))

@@ -16,8 +16,8 @@
 #   2 base_fit        a real fit of the base model's 5-minute shape (base_bleu's settings) for 2 minutes
 #     base_bench      the benchmark at that run's shape; fit_vs_bench.py: the fit's tokens/s by wall clock over
 #                     the benchmark's                                       -> base_bench.json, base_fit.json
-#     decode_ct2      that model's test split decoded by attnlab and by CTranslate2 on CUDA, greedy and beam 4
-#                     (bench/decode_vs_ct2.py)                                                -> decode_ct2.json
+#     decode_ct2      that model's test split decoded by attnlab and by CTranslate2 on CUDA, greedy and beam 4,
+#                     attnlab also in batches of 256 and 1,024 sentences (bench/decode_vs_ct2.py) -> decode_ct2.json
 #   3 base_bleu       experiments/wmt14_en_de_base.yaml at full size on gettext:de, 5 minutes, checkpoints
 #                     averaged at the lowest validation loss, beam-4 test BLEU and chrF (attnlab demo)
 #                                                                        -> base_bleu.json, base_translations.jsonl
@@ -163,7 +163,7 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   FIT_TIME=0.15; BASE_FIT_TIME=0.15; BASE_TIME=0.15; DEMO_EXTRA=("${TINY[@]}")
   BASE_EXTRA=("${TINY[@]}" --decode.beam 2 --trainer.val_every 4 --model.dropout 0.3 --decode.average_at best)
   PEER_ARGS=(--device cpu --minutes 0.05 --d 32 --layers 1 --ff 64 --heads 2 --vocab 300)
-  CT2=(--device cpu --threads 1 --limit 20 --repeats 1)
+  CT2=(--device cpu --threads 1 --limit 20 --repeats 1 --more-batches 8)
   ABLATION_EXTRA='{"budget": {"steps": 4}, "final_eval": false}'
   WPG_LIST=(0)  # 0: --workers 2, no GPU
   L_TESTS=120; L_COMPILE=120; L_BENCH=240; L_CT2=120; L_PEER=240; L_ABL=240
@@ -189,7 +189,7 @@ else
               --decode.val_sentences 200 --model.norm_position pre --optim.lr 0.7 --optim.warmup_steps 1000
               --model.dropout 0.3 --decode.average_at best)
   PEER_ARGS=(--device cuda --minutes 5 --d 512 --layers 6 --ff 2048 --heads 8)
-  CT2=(--device cuda)
+  CT2=(--device cuda --more-batches 256,1024)  # attnlab also in bigger batches than the recipe's 64 sentences
   ABLATION_EXTRA='{}'
   IFS=, read -r -a WPG_LIST <<< "${WPG:-8,16}"
   L_TESTS=180; L_COMPILE=420; L_BENCH=180; L_CT2=240; L_PEER=480; L_ABL=300

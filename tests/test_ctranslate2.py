@@ -203,8 +203,8 @@ def test_the_final_evaluation_with_engine_ctranslate2_scores_attnlabs_beams(trai
 def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_path):
     """bench/decode_vs_ct2.py, which bench/RESULTS.md's tables come from, on 20 sentences (its engines in this
     process, --in-process): every row runs with its configuration, CTranslate2's texts are attnlab's greedy ones,
-    attnlab's own CPU batches (by tokens) and the decode config's (--config-batches) give the same texts, and the
-    JSON is written."""
+    attnlab's own CPU batches (by tokens), the decode config's (--config-batches) and batches of 8 sentences
+    (--more-batches) give the same texts, and the JSON is written."""
     import json
     import sys
     from pathlib import Path
@@ -216,13 +216,15 @@ def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_
     threads = torch.get_num_threads()
     try:
         rows = decode_vs_ct2.main(["--ckpt", str(ckpt), "--threads", "1", "--limit", "20", "--repeats", "1",
-                                   "--in-process", "--config-batches", "--json", str(tmp_path / "rows.json")])
+                                   "--in-process", "--config-batches", "--more-batches", "8", "--json",
+                                   str(tmp_path / "rows.json")])
     finally:
         torch.set_num_threads(threads)
     by_row = {r["row"]: r for r in rows}
     assert set(by_row) == {f"{what} {b}{more}" for b in ("beam 1", "beam 4") for what, more in (
         ("attnlab", ""), ("ctranslate2", ""), ("ctranslate2", ", max_decoding_length 256"),
-        ("attnlab --engine ctranslate2,", ""), ("attnlab", ", the decode config's batches"))}
+        ("attnlab --engine ctranslate2,", ""), ("attnlab", ", the decode config's batches"),
+        ("attnlab", ", batches of 8 sentences"))}
     assert all(r["status"] == "ok" and r["sent_per_s"] > 0 and r["config"] for r in rows), rows
     assert by_row["attnlab beam 4"]["same_text"] == 1.0  # attnlab's text is the reference
     decode = load_module(ckpt).decode_cfg
@@ -231,10 +233,12 @@ def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_
         config = by_row[f"attnlab beam {b}, the decode config's batches"]
         assert config["config"]["batch_sentences"] == decode.batch_sentences != 1024 // b
         assert config["same_text"] == 1.0
+        more = by_row[f"attnlab beam {b}, batches of 8 sentences"]  # --more-batches: 3 batches of the 20
+        assert more["config"]["batch_sentences"] == 8 and more["same_text"] == 1.0
     assert by_row["ctranslate2 beam 4"]["config"]["batch_type"] == "tokens"  # as CTranslate2's users run it
     for what in ("ctranslate2", "attnlab --engine ctranslate2,"):
         assert by_row[f"{what} beam 1"]["same_text"] >= 0.95  # 19 of 20; near-ties aside
-    assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 10
+    assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 12
 
 
 @pytest.mark.parametrize(("a", "b", "alpha"), [(1.0, 10, 1.0), (0.5, 2, 1.0), (0.5, 2, 0.0)])
