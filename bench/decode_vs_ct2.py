@@ -23,7 +23,8 @@ three processes, one after the other, each alone on the machine:
                                 <run dir>/ct2/, each sentence's own maximum length kept (export_ct2.ct2_translate)
 
 Each row: sentences/s of the mean of --repeats passes after warm-up passes (one, and more for --warmup seconds;
-and of the fastest pass), the share of
+and of the fastest pass; with --rounds R, the engines run in turn R times, each time each alone in a new process, and
+the row counts every round's passes), the share of
 sentences whose text is attnlab's own (attnlab's row at the first thread count, same beam), the test BLEU, what
 ran (`config`), the load average before and after and the share of the CPUs other processes took meanwhile
 (`--wait-idle` waits for idle CPUs first). `--in-process` runs the rows in this process instead (for the tests:
@@ -222,6 +223,32 @@ def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
     return rows, others
 
 
+def merge_rounds(rounds: list[tuple[list[dict], dict]], n: int) -> tuple[list[dict], dict]:
+    """One engine's rows over its rounds (`--rounds`): the first round's rows (texts included), each with the passes
+    of every round (`seconds`; sentences/s of their mean and of the fastest) and each round's sentences/s
+    (`round_sent_per_s`), or the first failure; the loads of the first round before and the last after, the least
+    idle share before a round and the most CPU the others took in one."""
+    first, loads = rounds[0]
+    if len(rounds) == 1:
+        return first, loads
+    rows = []
+    for i, r in enumerate(first):
+        same = [got[i] if i < len(got) and got[i]["row"] == r["row"] else {"row": r["row"], "error": "missing"}
+                for got, _ in rounds]
+        failed = next((x for x in same if "error" in x), None)
+        if failed is not None:
+            rows.append({"row": r["row"], "error": failed["error"]})
+            continue
+        seconds = [sec for x in same for sec in x["seconds"]]
+        rows.append({**r, **speed(seconds, n), "round_sent_per_s": [round(speed(x["seconds"], n)["sent_per_s"], 1)
+                                                                    for x in same]})
+    merged = {"load_before": loads["load_before"], "load_after": rounds[-1][1]["load_after"], "rounds": len(rounds)}
+    for key, pick in (("idle_before", min), ("others_cpu_share", max)):
+        if all(key in x for _, x in rounds):
+            merged[key] = pick(x[key] for _, x in rounds)
+    return rows, merged
+
+
 # ---------------------------------------------------------------------------------------------- the table
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -249,12 +276,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--int8", action="store_true",
                    help="also int8 rows on a CPU: attnlab with torch's dynamic quantization of its nn.Linear layers "
                         "(the tied output projection stays fp32), and the engine with CTranslate2's int8 compute")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engines in turn this many times, each time each alone in a new process, and count "
+                        "every round's passes: a machine whose speed drifts (a shared VM's) then weighs on every "
+                        "engine alike, not on whichever ran in a slow minute")
     p.add_argument("--in-process", action="store_true", help="run the engines in this process (tests)")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="on a shared machine, before each engine's process wait up to this many seconds for the CPUs "
                         "to be idle (Linux; each row then says what other processes took while it ran)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: needs at least 1")
     need("ctranslate2", "pip install 'attnlab[ctranslate2]'")
     sacrebleu = need("sacrebleu", "pip install sacrebleu")
     exp = load_experiment(run_dir_of(args.ckpt) / "config.yaml")
@@ -281,14 +314,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     ours: dict[int, list[str]] = {}  # beam -> attnlab's text at the first thread count
     for n in threads:
-        for engine in [e for e in ENGINES if e in engines]:
-            idle = {"idle_before": wait_idle(args.wait_idle)} if args.wait_idle else {}
-            load = os.getloadavg()[0]
-            try:
-                got, others = in_child({**base, "engine": engine, "threads": n}, args.in_process)
-            except Exception as e:  # a failed engine is a failed row: the others still run
-                got, others = [{"row": engine, "error": f"{type(e).__name__}: {e}"}], {}
-            loads = {"load_before": load, "load_after": os.getloadavg()[0], **idle, **others}  # 1-minute loads
+        runs: dict[str, list[tuple[list[dict], dict]]] = {}  # engine -> (rows, loads) of each round
+        for _ in range(args.rounds):  # the engines in turn, each alone in its own process, `rounds` times
+            for engine in [e for e in ENGINES if e in engines]:
+                idle = {"idle_before": wait_idle(args.wait_idle)} if args.wait_idle else {}
+                load = os.getloadavg()[0]
+                try:
+                    got, others = in_child({**base, "engine": engine, "threads": n}, args.in_process)
+                except Exception as e:  # a failed engine is a failed row: the others still run
+                    got, others = [{"row": engine, "error": f"{type(e).__name__}: {e}"}], {}
+                runs.setdefault(engine, []).append((got, {"load_before": load, "load_after": os.getloadavg()[0],
+                                                          **idle, **others}))  # 1-minute loads
+        for engine, rounds in runs.items():
+            got, loads = merge_rounds(rounds, len(srcs))
             for r in got:
                 texts = r.pop("texts", None)
                 if "hyps" in r:

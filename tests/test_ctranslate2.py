@@ -241,6 +241,40 @@ def test_the_decoding_benchmark_against_ctranslate2_runs_every_row(trained, tmp_
     assert len(json.loads((tmp_path / "rows.json").read_text())["rows"]) == 12
 
 
+def test_the_decoding_benchmark_in_rounds_counts_every_rounds_passes(trained, tmp_path):
+    """bench/decode_vs_ct2.py --rounds 2: the engines run in turn twice; each row's passes are both rounds' (its
+    sentences/s their mean, beside each round's own), and a row that failed in any round is a failed row."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_vs_ct2
+
+    ckpt, _, _ = trained["mt"]
+    threads = torch.get_num_threads()
+    try:
+        rows = decode_vs_ct2.main(["--ckpt", str(ckpt), "--threads", "1", "--limit", "10", "--repeats", "2",
+                                   "--rounds", "2", "--beams", "1", "--engines", "attnlab,ctranslate2",
+                                   "--in-process"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["row"] for r in rows] == ["attnlab beam 1", "ctranslate2 beam 1",
+                                        "ctranslate2 beam 1, max_decoding_length 256"]
+    for r in rows:
+        assert r["status"] == "ok" and r["rounds"] == 2 and len(r["seconds"]) == 4 and len(r["round_sent_per_s"]) == 2
+        assert r["sent_per_s"] == pytest.approx(10 / (sum(r["seconds"]) / 4), rel=1e-2)  # seconds are rounded
+    assert rows[1]["same_text"] >= 0.9
+    ok = {"row": "a", "seconds": [1.0, 2.0], "texts": ["x"]}
+    failed = [{"row": "a", "error": "RuntimeError: boom"}]
+    first = {"load_before": 1.0, "load_after": 2.0, "others_cpu_share": 0.1}
+    last = {"load_before": 3.0, "load_after": 4.0, "others_cpu_share": 0.3}
+    merged, loads = decode_vs_ct2.merge_rounds([([ok], first), (failed, last)], 3)
+    assert merged == [{"row": "a", "error": "RuntimeError: boom"}]
+    assert loads == {"load_before": 1.0, "load_after": 4.0, "rounds": 2, "others_cpu_share": 0.3}
+    with pytest.raises(SystemExit):
+        decode_vs_ct2.main(["--ckpt", str(ckpt), "--rounds", "0"])
+
+
 @pytest.mark.parametrize(("a", "b", "alpha"), [(1.0, 10, 1.0), (0.5, 2, 1.0), (0.5, 2, 0.0)])
 def test_the_engine_keeps_each_sentences_maximum_length_in_few_calls(trained, a, b, alpha, monkeypatch):
     """ct2_translate at beam 4 with maximum lengths a * source + b that cut some searches (a = 1, b = 10) or most
