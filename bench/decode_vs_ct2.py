@@ -24,12 +24,12 @@ three processes, one after the other, each alone on the machine:
 
 Each row: sentences/s of the mean of --repeats passes after warm-up passes (one, and more for --warmup seconds;
 and of the fastest pass; with --rounds R, the engines run in turn R times, each time each alone in a new process, and
-the row counts every round's passes), the share of
-sentences whose text is attnlab's own (attnlab's row at the first thread count, same beam), the test BLEU, what
-ran (`config`), the load average before and after and the share of the CPUs other processes took meanwhile
-(`--wait-idle` waits for idle CPUs first). `--in-process` runs the rows in this process instead (for the tests:
-the timings then share a process). `--int8` (CPU) adds int8 rows, apart from the fp32 comparison:
-attnlab with torch's dynamic quantization of its linear layers, the engine with CTranslate2's int8 compute.
+the row counts every round's passes), the share of sentences whose text is attnlab's own (attnlab's row at the
+first thread count, same beam), the test BLEU, what ran (`config`), the load average before and after, the share of
+the CPUs other processes took meanwhile (`--wait-idle` waits for idle CPUs first) and the share the hypervisor gave
+to other guests (`steal_share`). `--in-process` runs the rows in this process instead (for the tests: the timings
+then share a process). `--int8` (CPU) adds int8 rows, apart from the fp32 comparison: attnlab with torch's dynamic
+quantization of its linear layers, the engine with CTranslate2's int8 compute.
 """
 
 from __future__ import annotations
@@ -177,15 +177,17 @@ def int8_row(module, tok, spec: dict, beam: int, engine: str, workers: int | Non
             "int8": True}
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(busy CPU seconds of the whole machine, of this process's finished children) so far; None off Linux."""
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process's finished children, stolen by the hypervisor) so far;
+    None off Linux. Busy counts the stolen seconds too: a vCPU the host gave to another guest was not idle."""
     try:
         jiffies = [int(x) for x in Path("/proc/stat").read_text(encoding="utf-8").split("\n")[0].split()[1:9]]
     except (OSError, ValueError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (sum(jiffies) - jiffies[3] - jiffies[4]) / tick, children.ru_utime + children.ru_stime  # less idle, iowait
+    # user nice system idle iowait irq softirq steal: busy less idle and iowait
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / tick, children.ru_utime + children.ru_stime, jiffies[7] / tick
 
 
 def wait_idle(seconds: float) -> float | None:
@@ -206,7 +208,9 @@ def wait_idle(seconds: float) -> float | None:
 
 def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
     """run_engine(spec) in a new Python process (or in this one), and what else ran meanwhile: the CPU seconds the
-    machine's other processes took during the child's run, as a share of its CPUs (`others_cpu_share`)."""
+    machine's other processes took during the child's run, as a share of its CPUs (`others_cpu_share`), and the CPU
+    time the hypervisor gave to other guests meanwhile (`steal_share`: on a shared VM a run at 2 threads can lose a
+    third of it, and no wait for idle CPUs beforehand foresees that)."""
     if in_process:
         threads = torch.get_num_threads()
         try:
@@ -218,9 +222,15 @@ def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = pool.submit(run_engine, spec).result()
     wall, after = time.perf_counter() - t0, cpu_seconds()
-    others = {} if before is None or after is None else {"others_cpu_share": round(
-        max((after[0] - before[0]) - (after[1] - before[1]), 0.0) / (wall * (os.cpu_count() or 1)), 3)}
-    return rows, others
+    return rows, ({} if before is None or after is None else shares(before, after, wall, os.cpu_count() or 1))
+
+
+def shares(before: tuple[float, float, float], after: tuple[float, float, float], wall: float, cpus: int) -> dict:
+    """What the machine's other processes (busy seconds less this process's children's and less the stolen) and the
+    hypervisor (stolen seconds) took of `cpus` CPUs over `wall` seconds, from two `cpu_seconds` readings."""
+    busy, ours, stolen = (a - b for a, b in zip(after, before, strict=True))
+    return {"others_cpu_share": round(max(busy - ours - stolen, 0.0) / (wall * cpus), 3),
+            "steal_share": round(stolen / (wall * cpus), 3)}
 
 
 def merge_rounds(rounds: list[tuple[list[dict], dict]], n: int) -> tuple[list[dict], dict]:
@@ -243,7 +253,7 @@ def merge_rounds(rounds: list[tuple[list[dict], dict]], n: int) -> tuple[list[di
         rows.append({**r, **speed(seconds, n), "round_sent_per_s": [round(speed(x["seconds"], n)["sent_per_s"], 1)
                                                                     for x in same]})
     merged = {"load_before": loads["load_before"], "load_after": rounds[-1][1]["load_after"], "rounds": len(rounds)}
-    for key, pick in (("idle_before", min), ("others_cpu_share", max)):
+    for key, pick in (("idle_before", min), ("others_cpu_share", max), ("steal_share", max)):
         if all(key in x for _, x in rounds):
             merged[key] = pick(x[key] for _, x in rounds)
     return rows, merged
@@ -345,7 +355,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run_row(rows, {"row": r["row"], "threads": n or "-", "engine": engine, "sentences": len(srcs)}, row)
     print_table(rows, [("row", "row"), ("threads", "threads"), ("sentences", "sentences"), ("sent_per_s", "sent/s"),
                        ("sent_per_s_best", "best"), ("same_text", "same text"), ("bleu", "BLEU"),
-                       ("load_before", "load"), ("others_cpu_share", "others' CPU"), ("status", "status")])
+                       ("load_before", "load"), ("others_cpu_share", "others' CPU"), ("steal_share", "stolen"),
+                       ("status", "status")])
     write_json(args.json, env, rows, sys.argv if argv is None else argv)
     return rows
 

@@ -273,6 +273,11 @@ def test_the_decoding_benchmark_in_rounds_counts_every_rounds_passes(trained, tm
     assert loads == {"load_before": 1.0, "load_after": 4.0, "rounds": 2, "others_cpu_share": 0.3}
     with pytest.raises(SystemExit):
         decode_vs_ct2.main(["--ckpt", str(ckpt), "--rounds", "0"])
+    # what others took of 2 CPUs over 2 s: 10 busy seconds, 4 of them the child's, 3 stolen by the hypervisor
+    assert decode_vs_ct2.shares((10.0, 1.0, 2.0), (20.0, 5.0, 5.0), 2.0, 2) == {"others_cpu_share": 0.75,
+                                                                              "steal_share": 0.75}
+    busy, children, stolen = decode_vs_ct2.cpu_seconds()  # this machine's /proc/stat
+    assert busy >= stolen >= 0 and children >= 0
 
 
 @pytest.mark.parametrize(("a", "b", "alpha"), [(1.0, 10, 1.0), (0.5, 2, 1.0), (0.5, 2, 0.0)])
