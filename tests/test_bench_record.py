@@ -208,6 +208,12 @@ def test_the_cpu_decoding_target_counts_attnlabs_own_batches_only():
                       "sent_per_s": 900.0}]}
     assert results.ct2_ratios(data, "attnlab") == [(1, 2, 0.7)]
     assert results.t_ct2_cpu(data)[1] == "no"
+    # a row measured while the hypervisor took 30% of the CPUs: the verdict says so, and the table shows it
+    data["rows"][1]["steal_share"] = 0.3
+    assert results.t_ct2_cpu(data)[1] == "no; not a clean measurement: the hypervisor took up to 30% of the CPUs"
+    assert [r[-2] for r in results.ct2_rows(data)] == ["-", "30%", "-"]
+    data["rows"][1]["steal_share"] = 0.01
+    assert results.t_ct2_cpu(data)[1] == "no"
 
 
 def test_the_decoding_benchmark_warms_up_for_its_seconds_then_times_its_passes():
