@@ -209,8 +209,8 @@ def wait_idle(seconds: float) -> float | None:
 def in_child(spec: dict, in_process: bool) -> tuple[list[dict], dict]:
     """run_engine(spec) in a new Python process (or in this one), and what else ran meanwhile: the CPU seconds the
     machine's other processes took during the child's run, as a share of its CPUs (`others_cpu_share`), and the CPU
-    time the hypervisor gave to other guests meanwhile (`steal_share`: on a shared VM a run at 2 threads can lose a
-    third of it, and no wait for idle CPUs beforehand foresees that)."""
+    time the hypervisor gave to other guests meanwhile (`steal_share`: on a shared VM it comes when the guest's CPUs
+    are busy, which no wait for idle CPUs beforehand foresees)."""
     if in_process:
         threads = torch.get_num_threads()
         try:

@@ -203,10 +203,6 @@ def stolen(row: dict) -> str:
     return "-" if row.get("steal_share") is None else f"{100 * row['steal_share']:.0f}%"
 
 
-# a CPU row measured while the hypervisor took more than this share of the CPUs is not a clean measurement
-STEAL_LIMIT = 0.05
-
-
 def fit_rows(data: dict) -> list[list]:
     if "fit_window" in data:  # fit_vs_bench.py since the wall clock: fit_tokens_per_s is wall clock
         w = data["fit_window"]
@@ -340,6 +336,10 @@ def t_ct2_cuda(data: dict) -> tuple[str, str]:
 def t_engine_cuda(data: dict) -> tuple[str, str]:
     ratios = ct2_ratios(data, "ctranslate2")
     return ratios_text(ratios), met(all(r >= 0.9 for *_, r in ratios))
+
+
+# a CPU row measured while the hypervisor took more than this share of the CPUs is not a clean measurement
+STEAL_LIMIT = 0.05
 
 
 def t_ct2_cpu(data: dict) -> tuple[str, str]:
