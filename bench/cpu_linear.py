@@ -11,32 +11,18 @@ of the demo model (d 128, FFN 512, vocabulary 4,000) or of the base model (d 512
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import print_table, run_row, write_record  # noqa: E402
+from harness import kernel_bench, median_us  # noqa: E402
 
 SHAPES = [(1, 128, 128), (1, 128, 384), (1, 128, 4000), (8, 128, 128), (8, 128, 512), (16, 128, 384), (16, 128, 512),
           (23, 128, 384), (23, 128, 4000), (128, 128, 128), (128, 128, 384), (128, 512, 128), (128, 128, 4000),
           (512, 128, 4000), (1, 512, 1536), (1, 512, 37000), (128, 512, 1536), (128, 512, 37000)]
-
-
-def median_us(fn, iters: int) -> float:
-    for _ in range(max(iters // 10, 3)):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def measure(m: int, k: int, n: int, iters: int) -> dict:
@@ -58,28 +44,10 @@ def measure(m: int, k: int, n: int, iters: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--shapes", default="", help="M,K,N;M,K,N... (default: the decoding shapes above)")
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    started = time.time()
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    rows: list[dict] = []
-    with torch.no_grad():
-        for m, k, n in shapes:
-            run_row(rows, {"M": m, "K": k, "N": n, "threads": args.threads},
-                    lambda m=m, k=k, n=n: measure(m, k, n, args.iters))
-    print_table(rows, [("M", "M"), ("K", "K"), ("N", "N"), ("plain_gflops", "F.linear GFLOP/s"),
-                       ("packed_gflops", "oneDNN packed GFLOP/s"), ("speedup", "speed-up"),
-                       ("max_abs_diff", "max |diff|"), ("status", "status")])
-    if args.json:
-        write_record(args.json, {"command": "python bench/cpu_linear.py " + " ".join(argv), "rows": rows},
-                     ["bench/cpu_linear.py", *argv], "cpu", started)
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return kernel_bench(argv, "cpu_linear.py", __doc__, ("M", "K", "N"), SHAPES, measure,
+                        [("M", "M"), ("K", "K"), ("N", "N"), ("plain_gflops", "F.linear GFLOP/s"),
+                         ("packed_gflops", "oneDNN packed GFLOP/s"), ("speedup", "speed-up"),
+                         ("max_abs_diff", "max |diff|")], 200)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -107,6 +108,46 @@ def time_steps(step: Callable[[], Any], warmup: int, iters: int, device: torch.d
         step()
     sync(device)
     return t1 - t0, (time.perf_counter() - t1) / iters
+
+
+def median_us(fn: Callable[[], Any], iters: int) -> float:
+    """The median wall time of `iters` calls of a CPU function, in microseconds, after iters // 10 (3 at least)
+    warm-up calls."""
+    for _ in range(max(iters // 10, 3)):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def kernel_bench(argv: list[str] | None, script: str, doc: str, names: tuple[str, ...], default_shapes: list[tuple],
+                 measure: Callable[..., dict], columns: list[tuple[str, str]], default_iters: int) -> int:
+    """The main of a CPU kernel benchmark (cpu_linear.py, cpu_argmax.py): one row per shape (named `names`),
+    `measure(*shape, iters)` under no_grad at --threads, the table of `columns`, and with --json the rows and
+    their provenance. Exits 1 where a row did not run or its `same` figure is False."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=default_iters)
+    p.add_argument("--shapes", default="", help=f"{','.join(names)};... (default: the decoding shapes above)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else default_shapes
+    rows: list[dict] = []
+    with torch.no_grad():
+        for shape in shapes:
+            run_row(rows, {**dict(zip(names, shape, strict=True)), "threads": args.threads},
+                    lambda shape=shape: measure(*shape, args.iters))
+    print_table(rows, columns + [("status", "status")])
+    if args.json:
+        write_record(args.json, {"command": f"python bench/{script} " + " ".join(argv), "rows": rows},
+                     [f"bench/{script}", *argv], "cpu", started)
+    return 0 if all(r["status"] == "ok" and r.get("same", True) for r in rows) else 1
 
 
 def reset_memory(device: torch.device) -> None:

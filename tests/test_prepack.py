@@ -138,20 +138,27 @@ def test_nested_and_concurrent_uses_share_one_packing_and_the_last_one_out_resto
     assert got == [want] * 20 and packed_state(m) == (0, False) and "_attnlab_prepacked" not in m.__dict__
 
 
-def test_the_gemm_bench_writes_both_kernels_figures_with_provenance(tmp_path):
-    """bench/cpu_linear.py, whose rows MIN_MACS is read off, at two small shapes."""
+@pytest.mark.parametrize("script, shapes, keys, figures", [
+    ("cpu_linear.py", "4,32,64;16,64,128", ("M", "K", "N"), ("plain_us", "packed_us")),
+    ("cpu_argmax.py", "4,300;70,1000", ("rows", "V"), ("torch_us", "row_argmax_us")),
+])
+def test_the_cpu_kernel_benches_write_both_kernels_figures_with_provenance(tmp_path, script, shapes, keys, figures):
+    """bench/cpu_linear.py and bench/cpu_argmax.py, whose rows MIN_MACS and ARGMAX_MIN_NUMEL are read off, at two
+    small shapes each: both kernels timed, the same results."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "linear.json"
-    r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear.py"), "--iters", "3", "--shapes",
-                        "4,32,64;16,64,128", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    out = tmp_path / "kernels.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / script), "--iters", "3", "--shapes", shapes,
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads(out.read_text(encoding="utf-8"))
-    assert [(row["M"], row["K"], row["N"]) for row in record["rows"]] == [(4, 32, 64), (16, 64, 128)]
+    expected = [tuple(int(v) for v in s.split(",")) for s in shapes.split(";")]
+    assert [tuple(row[k] for k in keys) for row in record["rows"]] == expected
     for row in record["rows"]:
-        assert row["status"] == "ok" and row["plain_us"] > 0 and row["packed_us"] > 0 and row["max_abs_diff"] < 1e-4
+        assert row["status"] == "ok" and all(row[f] > 0 for f in figures)
+        assert row["max_abs_diff"] < 1e-4 if script == "cpu_linear.py" else row["same"] is True
     assert record["provenance"]["device"].startswith("CPU") and record["provenance"]["git_commit"]
