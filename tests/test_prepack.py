@@ -140,7 +140,7 @@ def test_nested_and_concurrent_uses_share_one_packing_and_the_last_one_out_resto
 
 @pytest.mark.parametrize("script, shapes, keys, figures", [
     ("cpu_linear.py", "4,32,64;16,64,128", ("M", "K", "N"), ("plain_us", "packed_us")),
-    ("cpu_argmax.py", "4,300;70,1000", ("rows", "V"), ("torch_us", "row_argmax_us")),
+    ("cpu_argmax.py", "4,300;70,1000", ("rows", "V"), ("torch_us", "row_argmax_us", "chunked_us")),
 ])
 def test_the_cpu_kernel_benches_write_both_kernels_figures_with_provenance(tmp_path, script, shapes, keys, figures):
     """bench/cpu_linear.py and bench/cpu_argmax.py, whose rows MIN_MACS and ARGMAX_MIN_NUMEL are read off, at two

@@ -117,8 +117,8 @@ ARGMAX_CHUNK, ARGMAX_MIN_NUMEL = 128, 1 << 15
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) of logits (n, V) -> (n,) long: the same indices (the first of ties; NaN counts as the
-    largest, as in torch), faster on a CPU. There torch's argmax reduces a row one element at a time and its amax
-    with vector instructions (bench/cpu_argmax.py), so: the maximum of each 128-wide chunk (amax), and of a last
+    largest, as in torch), faster on a CPU, where torch's argmax is several times slower than its amax over the same
+    logits (bench/cpu_argmax.py and its raw files). So: the maximum of each 128-wide chunk (amax), and of a last
     chunk ending at V (overlapping the one before where 128 does not divide V), the first chunk that holds the
     row's maximum, and argmax within that chunk alone. Elsewhere, or for fewer than ARGMAX_MIN_NUMEL logits,
     torch's argmax."""
