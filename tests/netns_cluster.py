@@ -59,13 +59,14 @@ AccountingStorageType=accounting_storage/none
 ReturnToService=2
 MpiDefault=none
 KillWait=5
-SlurmdTimeout=30
+SlurmdTimeout={slurmd_timeout}
 NodeName=node1 NodeHostname=node1 NodeAddr={prefix}.11 CPUs=1 RealMemory=4000 State=UNKNOWN
 NodeName=node2 NodeHostname=node2 NodeAddr={prefix}.12 CPUs=1 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 # CPUs=1 per node (the machine has 2 cores): a 1-task job fills a node, so two of them run on different nodes.
-# SlurmdTimeout=30: a node that stops answering for longer is marked DOWN (and its jobs requeued) within a minute.
+# SlurmdTimeout (seconds): a node that stops answering for longer is marked DOWN and its jobs requeued. A test module
+# sets it (SLURMD_TIMEOUT, default 30): short where a node must go DOWN, long where a stopped node must not.
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -25,6 +25,7 @@ from attnlab.rundir import run_metrics
 from attnlab.train import fit, prepare
 
 TESTS = Path(__file__).resolve().parent
+SLURMD_TIMEOUT = 30  # slurmctld marks the dead node1 DOWN and requeues its task within a minute (netns_cluster.CONF)
 sys.path.insert(0, str(TESTS))
 import test_slurm_nodes  # noqa: E402
 from netns_cluster import IFNAME  # noqa: E402
