@@ -111,8 +111,9 @@ def _check_bos(model, bos_id: int) -> None:
         raise ValueError(f"bos_id={bos_id} is outside the vocabulary [0, {model.cfg.vocab_size}) (model.vocab_size)")
 
 
-# row_argmax's chunk width and the fewest logits it takes them for (below, torch's argmax is as fast)
-ARGMAX_CHUNK, ARGMAX_MIN_NUMEL = 128, 1 << 15
+# row_argmax's chunk width and the fewest logits it takes them for: on this project's Intel VM the chunks lost at
+# 16,000 logits and won from 32,000 (bench/cpu_argmax.py's column "chunks at any size")
+ARGMAX_CHUNK, ARGMAX_MIN_NUMEL = 128, 24_000
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
