@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab.config import ModelConfig
-from attnlab.decode import ARGMAX_CHUNK, ARGMAX_MIN_NUMEL, greedy_search, row_argmax
+from attnlab.decode import ARGMAX_CHUNK, ARGMAX_MIN_NUMEL, greedy_search, row_argmax, sample_next
 from attnlab.models.transformer import build_model
 from conftest import jitter
 
@@ -40,6 +40,14 @@ def test_row_argmax_gives_torchs_indices_on_ties_nans_and_infinities(V):
     view = torch.cat([x, x], 1)[:, None, :V][:, -1]  # a strided view, as a decoder step's last position is
     assert not view.is_contiguous() or view.stride(0) != V
     assert torch.equal(row_argmax(view), x.argmax(-1))
+
+
+def test_greedy_sampling_takes_torchs_argmax_through_the_chunks():
+    """A language model's greedy next tokens (sample_next with greedy=True or temperature 0) over hard rows."""
+    x = hard_rows(40, 32000, seed=3)
+    assert x.numel() >= ARGMAX_MIN_NUMEL
+    assert torch.equal(sample_next(x, greedy=True), x.argmax(-1))
+    assert torch.equal(sample_next(x, temperature=0.0), x.argmax(-1))
 
 
 def test_row_argmax_on_few_logits_or_a_narrow_vocabulary_is_torchs():
