@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import shutil
@@ -9,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,6 +94,27 @@ def jitter(model: nn.Module, seed: int = 1, scale: float = 0.1) -> nn.Module:
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
     return model
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test whose forked decoding workers are still alive after 120 s, killing them (their pool then
+    raises BrokenProcessPool in the test): a child that hangs (GNU OpenMP after a fork) would otherwise hold CI
+    until its own limit."""
+    killed: list[list[multiprocessing.Process]] = []
+
+    def kill() -> None:
+        killed.append(multiprocessing.active_children())
+        for p in killed[0]:
+            p.kill()
+
+    timer = threading.Timer(120, kill)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+    if killed:
+        pytest.fail(f"forked workers still running after 120 s were killed: {killed[0]}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -433,41 +433,58 @@ def test_token_batching_gives_the_sentence_batchings_translations(runs):
 
 
 
-def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(runs, monkeypatch):
+@pytest.mark.parametrize("fork", [True, False], ids=["processes", "threads"])
+def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(no_hang, runs, monkeypatch, tmp_path,
+                                                                               fork):
     """With torch on 2 CPU threads, translate_lines decodes 2 batches at once, one thread each (CTranslate2's
-    inter_threads), and gives the translations of one thread, each on its own line; torch's thread count is
-    back after. With 1 thread it decodes in the calling thread."""
+    inter_threads), in 2 forked processes (or 2 threads where a fork is not safe), and gives the translations of one
+    thread, each on its own line; torch's thread count is back after. With 1 thread it decodes in the calling
+    thread. The parent has run a 2-thread operator before it forks (OpenMP's pool exists), as a CLI has."""
+    import os
     import threading
 
+    import attnlab.decode_workers
+
+    monkeypatch.setattr(attnlab.decode_workers, "can_fork", lambda: fork)
     module = load_module(runs["mt"] / "checkpoints" / "last.ckpt")
     tok = Tokenizer.load(runs["mt"] / "tokenizer")
     lines = [s for s, _ in make_pairs(60, seed=5)] + ["", "open the window 7."]
-    seen: list[tuple[str, int]] = []  # (thread, torch's thread count there) of each batch
+    log = tmp_path / "workers.log"  # one line a batch: pid, thread, torch's thread count there, compile stance
     real = module.translate_ids
 
     def spy(src, beam=None):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        stances.append(torch._dynamo.eval_frame._stance.stance)  # compiled blocks run eagerly throughout
+        stance = torch._dynamo.eval_frame._stance.stance  # compiled blocks run eagerly throughout
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {threading.current_thread().name} {torch.get_num_threads()} {stance}\n")
         return real(src, beam)
 
-    stances: list[str] = []
+    def seen() -> list[list[str]]:
+        rows = [line.split() for line in log.read_text().splitlines()]
+        log.unlink()
+        return rows
 
     monkeypatch.setattr(module, "translate_ids", spy)
     threads = torch.get_num_threads()
+    here = [str(os.getpid()), threading.current_thread().name]
     try:
         torch.set_num_threads(1)
         alone = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=8, max_tokens=0)
-        assert {name for name, _ in seen} == {threading.current_thread().name}
-        seen.clear()
+        assert {tuple(r[:2]) for r in seen()} == {tuple(here)}
         torch.set_num_threads(2)
+        assert float(torch.ones(1 << 22).exp().sum()) > 0  # an operator on 2 threads before the fork
         side = translate_lines(module, tok, lines, beam=2, device="cpu", batch_sentences=8, max_tokens=0)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
     assert side == alone
-    assert len(seen) == 8 and {n for _, n in seen} == {1}
-    assert len({name for name, _ in seen}) == 2 and all(name.startswith("attnlab-decode") for name, _ in seen)
-    assert set(stances) == {"force_eager"} and torch._dynamo.eval_frame._stance.stance == "default"
+    rows = seen()
+    assert len(rows) == 8 and {r[2] for r in rows} == {"1"} and {r[3] for r in rows} == {"force_eager"}
+    assert len({tuple(r[:2]) for r in rows}) == 2
+    if fork:
+        assert here[0] not in {r[0] for r in rows}
+    else:
+        assert {r[0] for r in rows} == {here[0]} and all(r[1].startswith("attnlab-decode") for r in rows)
+    assert torch._dynamo.eval_frame._stance.stance == "default"
     # a module in training mode, with dropout: decoded in eval mode throughout (no batch's search may turn training
     # mode back on while another decodes), and left in training mode
     for m in module.modules():
@@ -482,30 +499,77 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(r
     assert module.training
 
 
-def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them():
-    """batch_workers: 4 torch threads and 2 batches give 2 workers of 2 threads (not 2 of 1, leaving 2 cores idle);
-    8 batches give 4 workers of 1; the calling thread's count is 4 again after, and a GPU decodes in this thread."""
+@pytest.mark.parametrize("fork", [True, False], ids=["processes", "threads"])
+def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them(no_hang, monkeypatch, fork):
+    """batch_workers: 4 torch threads and 2 batches give 2 workers of 2 threads (not 2 of 1, leaving 2 cores idle),
+    threads even where a fork is safe (a forked child must not open an OpenMP region of 2); 8 batches give 4 workers
+    of 1, forked where that is safe; the calling thread's count is 4 again after, and a GPU decodes in this
+    thread."""
+    import os
     import threading
 
-    from attnlab.evaluate import batch_workers
+    import attnlab.decode_workers as workers_mod
+    from attnlab.decode_workers import DecodeJob, batch_workers
 
-    def where(_):
-        return threading.current_thread().name, torch.get_num_threads()
+    def where(job, idx):  # stands in for decode_batch, in whichever worker runs it
+        return os.getpid(), threading.current_thread().name, torch.get_num_threads()
 
+    monkeypatch.setattr(workers_mod, "can_fork", lambda: fork)
+    monkeypatch.setattr(workers_mod, "decode_batch", where)
+    cpu = DecodeJob(None, [], 0, torch.device("cpu"), None, 1)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
         for n_batches, workers, each in ((2, 2, 2), (3, 3, 1), (8, 4, 1)):
-            with batch_workers(torch.device("cpu"), n_batches) as pool:
-                seen = list(pool.map(where, range(4 * n_batches)))
-            assert {n for _, n in seen} == {each}, (n_batches, seen)
-            assert len({name for name, _ in seen}) <= workers and all(name.startswith("attnlab-decode")
-                                                                     for name, _ in seen)
+            with batch_workers(cpu, n_batches) as decode_all:
+                seen = list(decode_all([[i] for i in range(4 * n_batches)]))
+            assert {n for _, _, n in seen} == {each}, (n_batches, seen)
+            assert 1 <= len({(pid, name) for pid, name, _ in seen}) <= workers
+            if fork and each == 1:
+                assert os.getpid() not in {pid for pid, _, _ in seen}
+            else:
+                assert all(pid == os.getpid() and name.startswith("attnlab-decode") for pid, name, _ in seen)
             assert torch.get_num_threads() == 4
-        with batch_workers(torch.device("cuda"), 8) as pool:
-            assert list(pool.map(where, range(2))) == [(threading.current_thread().name, 4)] * 2
+        gpu = DecodeJob(None, [], 0, torch.device("cuda"), None, 1)
+        with batch_workers(gpu, 8) as decode_all:
+            assert list(decode_all([[0], [1]])) == [(os.getpid(), threading.current_thread().name, 4)] * 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["processes", "threads"])
+def test_a_failing_decoding_worker_fails_translate_lines_with_its_error(no_hang, runs, monkeypatch, fork):
+    """A batch that raises in a worker raises the same error from translate_lines; a forked worker that dies
+    raises BrokenProcessPool rather than leaving the call waiting."""
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    import attnlab.decode_workers
+
+    monkeypatch.setattr(attnlab.decode_workers, "can_fork", lambda: fork)
+    module = load_module(runs["mt"] / "checkpoints" / "last.ckpt")
+    tok = Tokenizer.load(runs["mt"] / "tokenizer")
+    lines = [s for s, _ in make_pairs(30, seed=6)]
+    real = module.translate_ids
+
+    def bad(src, beam=None):
+        if src.shape[0] < 8:  # the last, shorter batch
+            raise ValueError(f"batch of {src.shape[0]} rows refused")
+        return real(src, beam)
+
+    monkeypatch.setattr(module, "translate_ids", bad)
+    with pytest.raises(ValueError, match="rows refused"):
+        translate_lines(module, tok, lines, beam=1, device="cpu", batch_sentences=8, max_tokens=0, workers=2)
+    if fork:
+        parent = os.getpid()
+
+        def die(src, beam=None):
+            assert os.getpid() != parent, "a batch was decoded in the calling process, not in a forked worker"
+            os._exit(3)
+
+        monkeypatch.setattr(module, "translate_ids", die)
+        with pytest.raises(BrokenProcessPool):
+            translate_lines(module, tok, lines, beam=1, device="cpu", batch_sentences=8, max_tokens=0, workers=2)
 
 
 # ---------------------------------------------------------------------------------------------- traps
@@ -639,3 +703,51 @@ def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):
     rows = [json.loads(line) for line in lines]
     assert result["translations"] == str(run_dir / "demo_translations.jsonl") and len(rows) == len(srcs)
     assert [(r["source"], r["reference"], r["hypothesis"]) for r in rows] == list(zip(srcs, refs, hyps, strict=True))
+
+
+def test_forked_decoding_workers_end_with_their_parent(tmp_path):
+    """A process killed while its forked workers decode leaves no orphan: the kernel kills them (PR_SET_PDEATHSIG),
+    so none keeps a CPU busy or the caller's output pipes open."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    script = f"""
+import os, time, torch
+import attnlab.decode_workers as w
+def sleepy(job, idx):
+    with open({str(pids)!r}, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    time.sleep(120)
+w.decode_batch = sleepy
+torch.set_num_threads(2)
+job = w.DecodeJob(None, [], 0, torch.device("cpu"), None, 1)
+with w.batch_workers(job, 2, processes=True) as decode_all:
+    list(decode_all([[0], [1]]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+            time.sleep(0.2)
+        workers = [int(p) for p in pids.read_text().split()]
+        assert len(workers) == 2 and proc.pid not in workers
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in workers):
+        time.sleep(0.1)
+    left = [p for p in workers if alive(p)]
+    for p in left:  # never left running, whatever the assertion says
+        os.kill(p, signal.SIGKILL)
+    assert not left

@@ -412,35 +412,55 @@ def test_generate_needs_a_decoder_only_model(seq2seq):
         generate(seq2seq, [[1, 2]], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["processes", "threads"])
 @pytest.mark.parametrize("beam", [1, 3])
-def test_translate_lines_gives_the_sequential_texts_on_any_number_of_workers(tokenizer, beam):
-    """translate_lines with token batches decoded by 2 or 3 workers at once (each batch on its own thread, in order of
-    cost) gives the texts of one worker decoding them in turn, empty lines included; torch's thread count is back
-    after."""
+def test_translate_lines_gives_the_sequential_texts_on_any_number_of_workers(no_hang, tokenizer, beam, fork, tmp_path,
+                                                                             monkeypatch):
+    """translate_lines with token batches decoded by 2 or 3 workers at once (forked processes, or threads where a
+    fork is not safe; each batch on its own worker, in order of cost) gives the texts of one worker decoding them
+    in turn, empty lines included; torch's thread count is back after."""
+    import os
     import threading
 
+    import attnlab.decode_workers
     from attnlab.evaluate import translate_lines
     from attnlab.lit import Seq2SeqModule
     from conftest import make_pairs
 
+    monkeypatch.setattr(attnlab.decode_workers, "can_fork", lambda: fork)
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2,
                       dropout=0.0)
     torch.manual_seed(0)
     module = Seq2SeqModule(cfg.to_dict(), {}, {"max_len_a": 0.5, "max_len_b": 4})  # lengths: 4 + half the source's
     jitter(module.model, seed=3)
     lines = [s for s, _ in make_pairs(40, seed=7)] + ["", "open the window 3."]
-    seen: list[str] = []
+    log = tmp_path / "workers.log"  # one line a batch, from whichever process decodes it: "pid thread"
     real = module.translate_ids
-    module.translate_ids = lambda src, b=None: seen.append(threading.current_thread().name) or real(src, b)
+
+    def spy(src, b=None):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {threading.current_thread().name}\n")
+        return real(src, b)
+
+    module.translate_ids = spy
+
+    def seen() -> list[str]:
+        text = log.read_text() if log.exists() else ""
+        log.unlink(missing_ok=True)
+        return text.splitlines()
+
     threads = torch.get_num_threads()
     alone = translate_lines(module, tokenizer, lines, beam=beam, device="cpu", max_tokens=60, workers=1)
-    assert len(set(seen)) == 1 and len(seen) >= 6  # several batches, all in this thread
+    first = seen()
+    assert set(first) == {f"{os.getpid()} {threading.current_thread().name}"} and len(first) >= 6  # here, in turn
     assert alone[40] == "" and all(alone[:40])
     for workers in (2, 3):
-        seen.clear()
         assert translate_lines(module, tokenizer, lines, beam=beam, device="cpu", max_tokens=60,
                                workers=workers) == alone
-        assert 2 <= len(set(seen)) <= workers and torch.get_num_threads() == threads
+        where = seen()
+        assert len(where) == len(first) and 2 <= len(set(where)) <= workers and torch.get_num_threads() == threads
+        pids = {int(w.split()[0]) for w in where}
+        assert (os.getpid() not in pids) if fork else (pids == {os.getpid()}), where
 
 
 @pytest.mark.parametrize("beam", [1, 4])

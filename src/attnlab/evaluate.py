@@ -11,9 +11,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import sacrebleu
@@ -24,6 +22,7 @@ from .bleu import sacrebleu_bleu
 from .checkpoints import checked, load_checkpoint, load_tokenizer, run_dir_of  # noqa: F401 (evaluate's API too)
 from .config import ConfigError, DecodeConfig, load_yaml
 from .decode import GENERATE_MAX_NEW_TOKENS, generate, position_cap  # noqa: F401 (the CLI's default)
+from .decode_workers import DecodeJob, batch_workers
 from .files import write_text_atomic
 from .lit import LMModule, MLMModule, Seq2SeqModule
 from .lit.base import eager_blocks
@@ -155,7 +154,8 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     and put back in order. Their defaults (`batch_sizes`): on CUDA the module's decode config; on a CPU batches by
     tokens (at most 1,024 rows of sentences x beam, and decode.max_tokens but at most 4,096 tokens), where a small
     batch pays a step's fixed cost for few sentences. On a CPU `workers` batches (default: torch's thread count) are
-    decoded at once, each on one thread (`batch_workers`); the texts depend on neither.
+    decoded at once, each on one thread, in forked processes on Linux (decode_workers.batch_workers); the texts
+    depend on neither.
     CTranslate2 takes batches of `max_tokens` tokens (on a CPU at most CPU_ENGINE_TOKENS) whatever their sentences.
     Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
     warning (a learned position table ends there; other positions were never trained beyond it either, and the
@@ -194,17 +194,10 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     batches = [[todo[j] for j in b] for b in token_batches(
         lengths, *batch_sizes(module.decode_cfg, dev, beam, batch_sentences, max_tokens))]
     module.to(dev)
-
-    def translate(idx: list[int]) -> None:
-        width = max(len(encoded[i]) for i in idx)
-        src = torch.full((len(idx), width), cfg.pad_id, dtype=torch.long)  # (n, S)
-        for row, i in enumerate(idx):
-            src[row, : len(encoded[i])] = torch.tensor(encoded[i])
-        with autocast(dev, dtype):  # autocast and no_grad are per thread: set in the thread that decodes
-            ids = module.translate_ids(src.to(dev), beam)
-        for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
-            out[i] = h
-
+    job = DecodeJob(module, encoded, cfg.pad_id, dev, dtype, beam)
+    # the costliest first, so that no worker is left with a long batch at the end (the texts stay the same: each
+    # batch is decoded alone, on whichever worker)
+    batches.sort(key=lambda b: -batch_cost([len(encoded[i]) for i in b]))
     # a progress bar on a terminal only (disable=None), and only when there is more than a batch or two
     bar = tqdm(total=len(batches), desc="translating", unit="batch", disable=None if len(batches) > 2 else True,
                leave=False)
@@ -213,13 +206,13 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     try:
         # compiled blocks run eagerly for the whole call: the stance is process-wide, and searches on several threads
         # entering and leaving it each (translate_ids) would leave it off while another still decodes
-        # a CPU's fp32 linears on weights packed once for the call, not once a batch (models/prepack.py); under a
-        # given autocast dtype they stay torch's, which autocast casts
+        # a CPU's fp32 linears on weights packed once for the call, not once a batch (models/prepack.py), before
+        # any worker is forked; under a given autocast dtype they stay torch's, which autocast casts
         packed = prepacked_linears(module.model) if dtype is None else contextlib.nullcontext()
-        with bar, eager_blocks(), packed, batch_workers(dev, len(batches), workers) as pool:
-            # the costliest first, so that no worker is left with a long batch at the end (the texts stay the same:
-            # each batch is decoded alone, on whichever worker)
-            for _ in pool.map(translate, sorted(batches, key=lambda b: -batch_cost([len(encoded[i]) for i in b]))):
+        with bar, eager_blocks(), packed, batch_workers(job, len(batches), workers) as decode_all:
+            for idx, ids in zip(batches, decode_all(batches), strict=True):
+                for i, h in zip(idx, tokenizer.decode_batch(ids), strict=True):
+                    out[i] = h
                 bar.update()
     finally:
         module.train(was_training)
@@ -230,27 +223,6 @@ def batch_cost(lengths: list[int]) -> int:
     """A batch's decoding time, roughly, from its sources' lengths: its steps (the longest output, which grows with
     the longest source) each cost a fixed part and a part per sentence (on a CPU, about as much as 8 sentences)."""
     return max(lengths) * (len(lengths) + 8)
-
-
-@contextlib.contextmanager
-def batch_workers(device: torch.device, n_batches: int, workers: int | None = None) -> Iterator[Any]:
-    """Where batches are decoded. On a CPU with `workers` (default: torch's thread count N) > 1: that many batches
-    at once, each on one thread, as CTranslate2's `inter_threads` does: a decoding step's small matrices split
-    poorly across threads, and one thread's Python work overlaps the other's kernels (torch releases the GIL in its
-    operators). With fewer batches than workers, each of the B batches gets N // B threads, so no core that torch
-    would use sits idle (torch's thread count is per thread; this thread's is restored after). Elsewhere, or for a
-    single batch, one batch at a time in this thread."""
-    n = torch.get_num_threads() if device.type == "cpu" else 1
-    workers = min(workers or n, n_batches) if device.type == "cpu" else 1
-    if workers < 2:
-        yield SimpleNamespace(map=map)  # `map` in this thread, as the pool's (results in order, lazily)
-        return
-    torch.set_num_threads(max(n // workers, 1))  # the pool's new threads take this count at their first operator
-    try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="attnlab-decode") as pool:
-            yield pool
-    finally:
-        torch.set_num_threads(n)
 
 
 @torch.no_grad()
