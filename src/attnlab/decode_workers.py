@@ -7,11 +7,10 @@ no children), and only for workers of one torch thread: GNU OpenMP, which torch 
 that opens a parallel region once the parent has had one (the child has the parent's pool but not its threads);
 on one thread no region is opened.
 - processes: each worker has its own interpreter, so one worker's Python (a third or more of a small batch's step)
-  never waits for the other's. Two thread workers share the GIL for it: on the demo's 918 test sentences at two
-  threads, greedy, the CPUs sat 13-19% idle with thread workers and 1-7% with forked ones, which took 2.26-2.82 s
-  against 2.69-3.31 s (4 passes each, interleaved, one process; scratch measurement, the bench's record is
-  `bench/decode_vs_ct2.py`). A fork shares the module's weights (and their packed copies, models/prepack.py) with
-  the parent page by page; only the batches' indices go to a worker and only token ids come back.
+  never waits for the other's; thread workers share the GIL for it, and on two threads the CPUs sat idle for part
+  of a pass. A fork shares the module's weights (and their packed copies, models/prepack.py) with the parent page
+  by page; only the batches' indices go to a worker and only token ids come back. A worker starts with the
+  parent's caches: what oneDNN compiled for a packed linear's shapes in an earlier call's workers is not there.
 - threads: torch releases the GIL inside its operators, so one thread's Python overlaps the other's kernels.
 With fewer batches than threads each of the B workers gets N // B threads, so no core torch would use sits idle;
 those are threads.
