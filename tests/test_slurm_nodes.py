@@ -301,14 +301,22 @@ def test_one_node_trials_spread_over_both_nodes_and_share_postgresql(two_nodes, 
 STALL_FIT = "test_slurm_nodes:stepping_fit"
 
 
+RELEASE_ENV = "ATTNLAB_TEST_RELEASE"  # a file: stepping_fit waits at its 20th step until it exists (at most 300 s)
+
+
 def stepping_fit(exp, ckpt_path=None):
     """A fake fit that makes progress only while it runs, as training does: 40 steps of 0.1 s, each appending a line
     (its pid) to <run dir>/progress.log, the stand-in for the metrics and checkpoints a fit writes; then the result
     files of test_ablate_runner's fake fit. A process stopped midway still has its remaining steps to do when it
-    is woken."""
+    is woken. With $ATTNLAB_TEST_RELEASE set, every fit holds at its 20th step until that file exists, so that the
+    test, not the machine's load, decides which trial is still running when a node stops."""
     run_dir = exp.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(40):
+    release = os.environ.get(RELEASE_ENV)
+    for step in range(40):
+        deadline = time.time() + 300
+        while step == 20 and release and not os.path.exists(release) and time.time() < deadline:
+            time.sleep(0.1)
         time.sleep(0.1)
         with open(run_dir / "progress.log", "a", encoding="utf-8") as f:
             f.write(f"{os.getpid()}\n")
@@ -333,6 +341,8 @@ def test_a_node_that_stops_answering_has_its_trial_retried_elsewhere_exactly_onc
     way each point has one result, and node1's point exactly two attempts: the lost one and the retry on node2."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH")] if p))
+    release = tmp_path / "release"  # both first fits hold at step 20 until node1 has been stopped past the grace
+    monkeypatch.setenv(RELEASE_ENV, str(release))
     spec_path = write_study(tmp_path, "name: stall\nseeds: [1]\nbudget: {steps: 10}\naxes:\n"
                                       "  model.norm: [layernorm, rmsnorm]\n")
     study_dir, url = tmp_path / "study", pg_url()
@@ -342,19 +352,21 @@ def test_a_node_that_stops_answering_has_its_trial_retried_elsewhere_exactly_onc
     logs = study_dir / "slurm" / "submit-001" / "logs"
     spec = load_spec(spec_path)
     h = connect(spec, study_dir, url)
-    def stepping(host: str) -> bool:  # a trial of host's worker has made 5 steps
+    def holding(host: str) -> bool:  # a trial of host's worker has made its 20 steps and waits for `release`
         t = running_on(h, host)
         progress = Path(t.user_attrs.get("run_dir", "/nonexistent")) / "progress.log" if t else None
-        return progress is not None and progress.is_file() and len(progress.read_text().split()) >= 5
+        return progress is not None and progress.is_file() and len(progress.read_text().split()) >= 20
 
-    wait_for(lambda: stepping("node1") and running_on(h, "node2"), 90,
-             f"the workers never both ran a trial\n{read_logs(logs)}", two_nodes.dir)
+    wait_for(lambda: holding("node1") and holding("node2"), 90,
+             f"the workers never both held a trial at step 20\n{read_logs(logs)}", two_nodes.dir)
     stalled = running_on(h, "node1")
     # which task runs on node1, asked before it stops: past SlurmdTimeout slurmctld requeues it (no node list)
     on_node1 = f"{array}_0" if two_nodes.nodelist(f"{array}_0") == "node1" else f"{array}_1"
     two_nodes.net.signal("node1", signal.SIGSTOP)
     stopped_at = time.time()
     try:
+        time.sleep(3 + 2)  # past the grace (3 s) and a heartbeat: node2's next claim finds node1's trial lost
+        release.touch()
         def retried() -> bool:
             return any(t.state == TrialState.COMPLETE and t.user_attrs["worker"].startswith("node2:")
                        for t in trials_by_point(h)[stalled.user_attrs["point_id"]])
