@@ -437,7 +437,8 @@ def test_token_batching_gives_the_sentence_batchings_translations(runs):
 def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(no_hang, runs, monkeypatch, tmp_path,
                                                                                fork):
     """With torch on 2 CPU threads, translate_lines decodes 2 batches at once, one thread each (CTranslate2's
-    inter_threads), in 2 forked processes (or 2 threads where a fork is not safe), and gives the translations of one
+    inter_threads), in this thread and a forked process (or 2 threads where a fork is not safe), and gives the
+    translations of one
     thread, each on its own line; torch's thread count is back after. With 1 thread it decodes in the calling
     thread. The parent has run a 2-thread operator before it forks (OpenMP's pool exists), as a CLI has."""
     import os
@@ -480,8 +481,8 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(n
     rows = seen()
     assert len(rows) == 8 and {r[2] for r in rows} == {"1"} and {r[3] for r in rows} == {"force_eager"}
     assert len({tuple(r[:2]) for r in rows}) == 2
-    if fork:
-        assert here[0] not in {r[0] for r in rows}
+    if fork:  # this thread, and one forked worker
+        assert tuple(here) in {tuple(r[:2]) for r in rows} and len({r[0] for r in rows}) == 2
     else:
         assert {r[0] for r in rows} == {here[0]} and all(r[1].startswith("attnlab-decode") for r in rows)
     assert torch._dynamo.eval_frame._stance.stance == "default"
@@ -503,8 +504,8 @@ def test_on_cpu_threads_batches_decode_side_by_side_with_the_same_translations(n
 def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them(no_hang, monkeypatch, fork):
     """batch_workers: 4 torch threads and 2 batches give 2 workers of 2 threads (not 2 of 1, leaving 2 cores idle),
     threads even where a fork is safe (a forked child must not open an OpenMP region of 2); 8 batches give 4 workers
-    of 1, forked where that is safe; the calling thread's count is 4 again after, and a GPU decodes in this
-    thread."""
+    of 1, this thread and 3 forked processes where that is safe; the calling thread's count is 4 again after, and a
+    GPU decodes in this thread."""
     import os
     import threading
 
@@ -525,8 +526,10 @@ def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them(no_ha
                 seen = list(decode_all([[i] for i in range(4 * n_batches)]))
             assert {n for _, _, n in seen} == {each}, (n_batches, seen)
             assert len({(pid, name) for pid, name, _ in seen}) <= workers  # no more workers than asked for
-            if fork and each == 1:
-                assert os.getpid() not in {pid for pid, _, _ in seen}
+            if fork and each == 1:  # this thread and workers - 1 forked processes
+                here = (os.getpid(), threading.current_thread().name)
+                assert here in {(pid, name) for pid, name, _ in seen}
+                assert 1 <= len({pid for pid, _, _ in seen} - {os.getpid()}) <= workers - 1
             else:
                 assert all(pid == os.getpid() and name.startswith("attnlab-decode") for pid, name, _ in seen)
             assert torch.get_num_threads() == 4
@@ -540,7 +543,7 @@ def test_with_fewer_batches_than_threads_each_batch_gets_its_share_of_them(no_ha
 @pytest.mark.parametrize("fork", [True, False], ids=["processes", "threads"])
 def test_a_failing_decoding_worker_fails_translate_lines_with_its_error(no_hang, runs, monkeypatch, fork):
     """A batch that raises in a worker raises the same error from translate_lines; a forked worker that dies
-    raises BrokenProcessPool rather than leaving the call waiting."""
+    raises BrokenProcessPool rather than leaving the call waiting (the calling thread decodes its share meanwhile)."""
     import os
     from concurrent.futures.process import BrokenProcessPool
 
@@ -563,9 +566,19 @@ def test_a_failing_decoding_worker_fails_translate_lines_with_its_error(no_hang,
     if fork:
         parent = os.getpid()
 
+        def refused_here(src, beam=None):  # the calling thread's share fails, the forked worker's does not
+            if os.getpid() == parent:
+                raise ValueError("refused in the calling thread")
+            return real(src, beam)
+
+        monkeypatch.setattr(module, "translate_ids", refused_here)
+        with pytest.raises(ValueError, match="calling thread"):
+            translate_lines(module, tok, lines, beam=1, device="cpu", batch_sentences=8, max_tokens=0, workers=2)
+
         def die(src, beam=None):
-            assert os.getpid() != parent, "a batch was decoded in the calling process, not in a forked worker"
-            os._exit(3)
+            if os.getpid() == parent:
+                return real(src, beam)
+            os._exit(3)  # the forked worker, at its first batch
 
         monkeypatch.setattr(module, "translate_ids", die)
         with pytest.raises(BrokenProcessPool):
@@ -706,8 +719,8 @@ def test_demo_trains_averages_decodes_and_scores_end_to_end(runs, capsys):
 
 
 def test_forked_decoding_workers_end_with_their_parent(tmp_path):
-    """A process killed while its forked workers decode leaves no orphan: the kernel kills them (PR_SET_PDEATHSIG),
-    so none keeps a CPU busy or the caller's output pipes open."""
+    """A process killed while its forked workers decode (and it decodes its own share) leaves no orphan: the kernel
+    kills them (PR_SET_PDEATHSIG), so none keeps a CPU busy or the caller's output pipes open."""
     import os
     import signal
     import subprocess
@@ -722,18 +735,19 @@ def sleepy(job, idx):
         f.write(f"{{os.getpid()}}\\n")
     time.sleep(120)
 w.decode_batch = sleepy
-torch.set_num_threads(2)
+torch.set_num_threads(3)
 job = w.DecodeJob(None, [], 0, torch.device("cpu"), None, 1)
-with w.batch_workers(job, 2, processes=True) as decode_all:
-    list(decode_all([[0], [1]]))
+with w.batch_workers(job, 3, processes=True) as decode_all:
+    list(decode_all([[0], [1], [2]]))
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 3):
             time.sleep(0.2)
-        workers = [int(p) for p in pids.read_text().split()]
-        assert len(workers) == 2 and proc.pid not in workers
+        decoding = [int(p) for p in pids.read_text().split()]
+        workers = [p for p in decoding if p != proc.pid]
+        assert len(decoding) == 3 and proc.pid in decoding and len(set(workers)) == 2
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

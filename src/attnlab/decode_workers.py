@@ -9,8 +9,9 @@ on one thread no region is opened.
 - processes: each worker has its own interpreter, so one worker's Python (a third or more of a small batch's step)
   never waits for the other's; thread workers share the GIL for it, and on two threads the CPUs sat idle for part
   of a pass. A fork shares the module's weights (and their packed copies, models/prepack.py) with the parent page
-  by page; only the batches' indices go to a worker and only token ids come back. A worker starts with the
-  parent's caches: what oneDNN compiled for a packed linear's shapes in an earlier call's workers is not there.
+  by page; only the batches' indices go to a worker and only token ids come back. Of N workers N - 1 are forked
+  and the calling thread is the last: a forked worker's caches end with it, this process's stay, so what oneDNN
+  compiles here for a packed linear's shapes (once per new row count) is there for the next call's forks.
 - threads: torch releases the GIL inside its operators, so one thread's Python overlaps the other's kernels.
 With fewer batches than threads each of the B workers gets N // B threads, so no core torch would use sits idle;
 those are threads.
@@ -26,8 +27,9 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +90,9 @@ def can_fork() -> bool:
 def batch_workers(job: DecodeJob, n_batches: int, workers: int | None = None,
                   processes: bool | None = None) -> Iterator[Callable[[list[list[int]]], Iterator[Any]]]:
     """A function mapping batches (lists of line indices) to their ids, in order, lazily. On a CPU with `workers`
-    (default: torch's thread count N) > 1 and more than one batch: that many at once, in forked processes where
-    `processes` (default: `can_fork()`) and each worker has one thread, else in threads (module docstring).
+    (default: torch's thread count N) > 1 and more than one batch: that many at once, in this thread and forked
+    processes where `processes` (default: `can_fork()`) and each worker has one thread, else in threads (module
+    docstring).
     Elsewhere, one batch at a time in this thread. This thread's torch thread count is the same after."""
     cpu = job.device.type == "cpu"
     n = torch.get_num_threads() if cpu else 1
@@ -98,20 +101,84 @@ def batch_workers(job: DecodeJob, n_batches: int, workers: int | None = None,
         yield functools.partial(map, functools.partial(decode_batch, job))
         return
     each = max(n // workers, 1)
-    if each == 1 and (can_fork() if processes is None else processes):
-        # with fork the pool starts every worker at its first task, before its own thread (none is forked), and
-        # hands `job` to _start_worker in memory; a worker that dies raises BrokenProcessPool here
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_start_worker, initargs=(job, each, os.getpid()))
-        try:
-            yield functools.partial(pool.map, _decode_in_worker)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        return
+    fork = each == 1 and (can_fork() if processes is None else processes)
     torch.set_num_threads(each)  # torch's thread count is per thread: this one's, and each worker's at its start
     try:
+        if fork:
+            # with fork the pool starts every worker at its first task, before its own thread (none is forked), and
+            # hands `job` to _start_worker in memory; a worker that dies raises BrokenProcessPool here
+            pool = ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_start_worker, initargs=(job, each, os.getpid()))
+            try:
+                yield functools.partial(_shared, pool, workers - 1, job)
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+            return
         with ThreadPoolExecutor(workers, thread_name_prefix="attnlab-decode", initializer=torch.set_num_threads,
                                 initargs=(each,)) as pool:
             yield functools.partial(pool.map, functools.partial(decode_batch, job))
     finally:
         torch.set_num_threads(n)
+
+
+def _shared(pool: ProcessPoolExecutor, procs: int, job: DecodeJob, batches: list[list[int]]) -> Iterator[Any]:
+    """The ids of each batch, in order, decoded by `pool`'s `procs` forked workers and this thread: each takes the
+    next batch no one has taken when it finishes one (a worker's is handed out by its last one's done-callback).
+    This thread decoding too keeps what oneDNN compiles for its shapes in this process, so that the next call's
+    forks start with it (module docstring). An error is raised at its batch's turn; no batch is handed out after
+    one."""
+    lock = threading.Condition()
+    done: dict[int, Future] = {}  # batch index -> its finished future (a worker's, or one for this thread's)
+    taken, failed = 0, False
+
+    def take() -> int | None:
+        nonlocal taken
+        with lock:
+            if taken == len(batches) or failed:
+                return None
+            taken += 1
+            return taken - 1
+
+    def finished(i: int, f: Future) -> bool:
+        nonlocal failed
+        with lock:
+            done[i] = f
+            failed = failed or f.cancelled() or f.exception() is not None
+            lock.notify_all()
+            return not failed
+
+    def hand_out() -> None:  # the next batch to a free worker
+        i = take()
+        if i is None:
+            return
+        try:
+            pool.submit(_decode_in_worker, batches[i]).add_done_callback(
+                lambda f, i=i: finished(i, f) and hand_out())
+        except RuntimeError as e:  # the pool is shut down or broken: raised at this batch's turn
+            finished(i, _future(error=e))
+
+    for _ in range(procs):
+        hand_out()
+    for turn in range(len(batches)):
+        while turn not in done:
+            i = take()
+            if i is None:  # every batch is taken: wait for this turn's
+                with lock:
+                    lock.wait_for(lambda turn=turn: turn in done)
+                break
+            try:
+                finished(i, _future(result=decode_batch(job, batches[i])))
+            except Exception as e:  # as a worker's error
+                finished(i, _future(error=e))
+        with lock:
+            f = done.pop(turn)
+        yield f.result()
+
+
+def _future(result: Any = None, error: BaseException | None = None) -> Future:
+    f: Future = Future()
+    if error is None:
+        f.set_result(result)
+    else:
+        f.set_exception(error)
+    return f

@@ -154,8 +154,8 @@ def translate_lines(module: Seq2SeqModule, tokenizer, lines: list[str], beam: in
     and put back in order. Their defaults (`batch_sizes`): on CUDA the module's decode config; on a CPU batches by
     tokens (at most 1,024 rows of sentences x beam, and decode.max_tokens but at most 4,096 tokens), where a small
     batch pays a step's fixed cost for few sentences. On a CPU `workers` batches (default: torch's thread count) are
-    decoded at once, each on one thread, in forked processes on Linux (decode_workers.batch_workers); the texts
-    depend on neither.
+    decoded at once, each on one thread, here and in forked processes on Linux (decode_workers.batch_workers); the
+    texts depend on neither.
     CTranslate2 takes batches of `max_tokens` tokens (on a CPU at most CPU_ENGINE_TOKENS) whatever their sentences.
     Empty lines give empty translations; lines longer than the model's max_seq_len tokens are cut there, with a
     warning (a learned position table ends there; other positions were never trained beyond it either, and the
