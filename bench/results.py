@@ -374,7 +374,7 @@ TARGETS = [
     ("`--engine ctranslate2` ≥ 0.9x CTranslate2's own translate_batch on CUDA", "h100_2026-11-26c_decode_ct2.json",
      t_engine_cuda),
     ("attnlab's own decoding ≥ 0.8x CTranslate2 as its users run it, on a CPU, 1 and 2 threads",
-     "decode_vs_ct2_cpu_2026-11-27.json", t_ct2_cpu),
+     "decode_vs_ct2_cpu_2026-11-29c.json", t_ct2_cpu),
     ("The base model after 5 minutes on one GPU above the peer, BLEU and chrF on the same 918 sentences",
      "h100_2026-11-26_base_bleu.json", t_base_bleu),
 ]
