@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# --durations: the slowest tests, in CI's log, since the whole suite must stay within CI's time
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The quick loop: everything but the tests marked slow (SLURM, DDP, SIGTERM, subprocess workers, long trainings).
 test-fast: venv
