@@ -314,9 +314,10 @@ def stepping_fit(exp, ckpt_path=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     release = os.environ.get(RELEASE_ENV)
     for step in range(40):
-        deadline = time.time() + 300
-        while step == 20 and release and not os.path.exists(release) and time.time() < deadline:
-            time.sleep(0.1)
+        if step == 20 and release:
+            deadline = time.time() + 300
+            while not os.path.exists(release) and time.time() < deadline:
+                time.sleep(0.1)
         time.sleep(0.1)
         with open(run_dir / "progress.log", "a", encoding="utf-8") as f:
             f.write(f"{os.getpid()}\n")
