@@ -142,23 +142,3 @@ def test_the_engine_stops_where_a_learned_position_table_ends_as_attnlab_does(tm
         ct2_translate(ckpt, sources, [[0, 1]], decode, 1, torch.device("cpu"), None)  # what the cap avoids
 
 
-def test_int8_quantization_writes_int8_weights_that_score_near_fp32(tmp_path, tokenizer, capsys):
-    """`--quantization int8`: CTranslate2 stores the weights in int8 (its model.bin is smaller) and scores close
-    to the fp32 conversion; a quantization it does not know is a one-line error."""
-    ckpt, _ = checkpoint(tmp_path, tokenizer, **{**SMALL, "arch": "encoder_decoder", "norm_position": "pre"})
-    outs = {}
-    for q in ("float32", "int8"):
-        outs[q] = tmp_path / q
-        assert main(["export", "--ckpt", str(ckpt), "--format", "ctranslate2", "--out", str(outs[q]),
-                     "--quantization", q]) == 0
-    assert (outs["int8"] / "model.bin").stat().st_size < 0.5 * (outs["float32"] / "model.bin").stat().st_size
-    vocab = json.loads((outs["float32"] / "shared_vocabulary.json").read_text(encoding="utf-8"))
-    src = [vocab[i] for i in tokenizer.encode(LINES[0]) + [tokenizer.eos_id]]
-    tgt = [vocab[i] for i in tokenizer.encode(LINES[0].upper(), side="tgt")]
-    scores = {q: ctranslate2.Translator(str(o), device="cpu").score_batch([src], [tgt])[0].log_probs
-              for q, o in outs.items()}
-    assert scores["int8"] != scores["float32"]
-    torch.testing.assert_close(torch.tensor(scores["int8"]), torch.tensor(scores["float32"]), atol=0.1, rtol=0)
-    assert main(["export", "--ckpt", str(ckpt), "--format", "ctranslate2", "--out", str(tmp_path / "x"),
-                 "--quantization", "int3"]) == 2
-    assert "int3 is not a valid quantization type" in capsys.readouterr().err and not (tmp_path / "x").exists()
