@@ -32,7 +32,13 @@ def alive(pid: int) -> bool:
     return bool(owner_alive(f"{owner().rpartition(':')[0]}:{pid}"))
 
 
-def wait_until(check, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+# The last-resort deadline of every wait here: each wait ends as soon as its event happens, or at once when `ablate
+# run` exits first. A fixed 120 s ran out on a loaded machine (two workers starting Python, torch and optuna beside
+# other tests) where the same wait takes 35 s alone; only a hang should reach this.
+HANG_S = 600
+
+
+def wait_until(check, proc: subprocess.Popen, what: str, timeout_s: float = HANG_S) -> None:
     deadline = time.time() + timeout_s
     while not check():
         assert proc.poll() is None, f"`ablate run` ended (exit {proc.returncode}) before {what}"
@@ -66,7 +72,7 @@ def test_ablate_run_with_one_worker_stopped_mid_fit_records_the_trial_interrupte
     run = subprocess.Popen([sys.executable, "-m", "attnlab", "ablate", "run", str(spec_path), "--workers", "1",
                             *common])
     try:
-        wait_until(past_step_20, run, 240, "step 20 of the fit")
+        wait_until(past_step_20, run, "step 20 of the fit")
         run.send_signal(sig)
         assert run.wait(timeout=60) == 128 + sig, "the conventional status: 130 for SIGINT, 143 for SIGTERM"
     finally:
@@ -109,7 +115,7 @@ def test_a_signal_to_ablate_run_is_passed_on_to_its_workers_which_record_their_t
                             *common])
     pids: set[int] = set()
     try:
-        wait_until(lambda: len({c["pid"] for c in read_calls(study_dir)[0]}) == 2, run, 120, "fit in both workers")
+        wait_until(lambda: len({c["pid"] for c in read_calls(study_dir)[0]}) == 2, run, "fit in both workers")
         pids = {c["pid"] for c in read_calls(study_dir)[0]}
         run.send_signal(sig)  # to the parent alone
         assert run.wait(timeout=60) == 128 + sig, "the parent waits for its workers and exits 128 + the signal"
