@@ -7,10 +7,14 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv test test-fast demo ablate-demo scaling-demo lint clean
 
-$(VENV)/.installed: pyproject.toml
+# The rest through uv (pinned here: pip's resolver took most of an install), every version held by constraints.txt
+UV     ?= uv==0.13.10
+
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(UV)"
+	$(VENV)/bin/uv pip install --python $(PY) -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 venv: $(VENV)/.installed
