@@ -19,9 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
-# --durations: the slowest tests, in CI's log, since the whole suite must stay within CI's time
+# pytest-xdist workers (-n): the slow tests mostly wait on other processes, so 4 overlap on 2 cores; a file is one
+# group (tests/conftest.py). --durations: the slowest tests, in CI's log, since the suite must stay within 20 minutes
+TEST_WORKERS ?= 4
 test: venv
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40 tests
 
 # The quick loop: everything but the tests marked slow (SLURM, DDP, SIGTERM, subprocess workers, long trainings).
 test-fast: venv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import random
@@ -34,12 +35,48 @@ def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:
         pytest.skip(f"{why} and there is no apt-get to install it with")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-    if r.returncode != 0:  # stale package lists: update once and try again
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+    # one install at a time: pytest-xdist's workers may ask at once, and dpkg's own lock fails the second
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "attnlab-tests-apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+        if r.returncode != 0:  # stale package lists: update once and try again
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+            r = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
     if r.returncode != 0:
         pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
+
+
+# make test runs the suite under pytest-xdist (-n 4 --dist loadgroup): 4 workers on 2 cores, since most of the slow
+# tests wait on other processes (SLURM, PostgreSQL, worker fleets). Each test file is one group, run by one worker
+# in its own order, its module fixtures (a SLURM cluster, a reference fit) made once; a test named in SOLO is a
+# group of its own, to share no worker's queue with the rest of its file. Groups are handed out in collection
+# order, so the longest (FIRST, from the --durations of the runs in bench/results/suite_*) come first and none of
+# them starts last, while the many short files fill the gaps.
+FIRST = ["test_gpu_run.py::test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder",
+         "test_ablate_storage.py::test_a_kill_storm_loses_and_duplicates_nothing[postgresql]",
+         "test_ablate_storage.py::test_a_kill_storm_loses_and_duplicates_nothing[journal]",
+         "test_slurm_nodes.py", "test_slurm.py", "test_ablate_sequential_runs.py", "test_ablate_runner.py",
+         "test_slurm_nodes_down.py", "test_ablate_storage.py", "test_disk_full.py", "test_ablate_interrupt.py",
+         "test_train_options.py", "test_ddp.py", "test_gpu_run.py"]
+SOLO = {name for name in FIRST if "::" in name}
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The group an item runs in under --dist loadgroup: its own marker's, a SOLO test's id, or its file's name."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return mark.kwargs.get("name", mark.args[0] if mark.args else "default")
+    test_id = item.nodeid.split("/")[-1]
+    return test_id if test_id in SOLO else item.path.name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(FIRST)}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
+        items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: a file keeps its order
 
 
 def free_port() -> int:
@@ -98,9 +135,9 @@ def jitter(model: nn.Module, seed: int = 1, scale: float = 0.1) -> nn.Module:
 
 @pytest.fixture
 def no_hang():
-    """Fails a test whose forked decoding workers are still alive after 120 s, killing them (their pool then
+    """Fails a test whose forked decoding workers are still alive after 300 s, killing them (their pool then
     raises BrokenProcessPool in the test): a child that hangs (GNU OpenMP after a fork) would otherwise hold CI
-    until its own limit."""
+    until its own limit. A last resort, sized for a loaded machine: such a test takes seconds alone."""
     killed: list[list[multiprocessing.Process]] = []
 
     def kill() -> None:
@@ -108,13 +145,13 @@ def no_hang():
         for p in killed[0]:
             p.kill()
 
-    timer = threading.Timer(120, kill)
+    timer = threading.Timer(300, kill)
     timer.daemon = True
     timer.start()
     yield
     timer.cancel()
     if killed:
-        pytest.fail(f"forked workers still running after 120 s were killed: {killed[0]}")
+        pytest.fail(f"forked workers still running after 300 s were killed: {killed[0]}")
 
 
 @pytest.fixture(autouse=True, scope="session")
