@@ -48,35 +48,23 @@ def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:
 
 # make test runs the suite under pytest-xdist (-n 4 --dist loadgroup): 4 workers on 2 cores, since most of the slow
 # tests wait on other processes (SLURM, PostgreSQL, worker fleets). Each test file is one group, run by one worker
-# in its own order, its module fixtures (a SLURM cluster, a reference fit) made once; a test named in SOLO is a
-# group of its own, to share no worker's queue with the rest of its file. Groups are handed out in collection
-# order, so the longest (FIRST, from the --durations of the runs in bench/results/suite_*) come first and none of
-# them starts last, while the many short files fill the gaps.
-FIRST = ["test_gpu_run.py::test_dry_run_runs_every_step_and_writes_every_figure_under_one_folder",
-         "test_ablate_storage.py::test_a_kill_storm_loses_and_duplicates_nothing[postgresql]",
-         "test_ablate_storage.py::test_a_kill_storm_loses_and_duplicates_nothing[journal]",
-         "test_slurm_nodes.py", "test_slurm.py", "test_ablate_sequential_runs.py", "test_ablate_runner.py",
-         "test_slurm_nodes_down.py", "test_ablate_storage.py", "test_disk_full.py", "test_ablate_interrupt.py",
-         "test_train_options.py", "test_ddp.py", "test_gpu_run.py"]
-SOLO = {name for name in FIRST if "::" in name}
+# in its own order, its module fixtures (a SLURM cluster, a reference fit) made once; a test's own xdist_group
+# marker puts it in that group instead. Groups go out in the files' order. (Handing the longest out first measured
+# worse, 28:46 against 19:26: eight CPU-bound groups at once on 2 cores, bench/results/suite_xdist_*.)
 
 
 def xdist_group(item: pytest.Item) -> str:
-    """The group an item runs in under --dist loadgroup: its own marker's, a SOLO test's id, or its file's name."""
+    """The group an item runs in under --dist loadgroup: its own marker's, else its file's name."""
     mark = item.get_closest_marker("xdist_group")
     if mark is not None:
         return mark.kwargs.get("name", mark.args[0] if mark.args else "default")
-    test_id = item.nodeid.split("/")[-1]
-    return test_id if test_id in SOLO else item.path.name
+    return item.path.name
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(FIRST)}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain `pytest` keeps the files' order
-        items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: a file keeps its order
 
 
 def free_port() -> int:

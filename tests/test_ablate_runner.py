@@ -331,8 +331,11 @@ def test_a_worker_killed_mid_fit_is_released_and_resumed_to_the_uninterrupted_lo
     assert nxt.returncode == 0, nxt.stderr[-3000:]
     (lost, done) = trials_by_point(study_dir, spec)[spec.points()[0].point_id]
     assert lost.state == TrialState.FAIL and "lost_at" in lost.user_attrs
-    assert lost.user_attrs["lost_at"] - t0 < 30, "released at once, not after the grace period"
     assert done.state == TrialState.COMPLETE and done.user_attrs["resumed"] is True
+    # released at once, not after the grace period: before the next worker's own trial began, and well within
+    # grace_s (a fixed 30 s measured the next worker's start-up instead, 52 s on a loaded machine)
+    assert t0 < lost.user_attrs["lost_at"] <= done.datetime_start.timestamp() + 1, (t0, lost.user_attrs, done)
+    assert lost.user_attrs["lost_at"] - t0 < opts.grace_s / 2, "released at once, not after the grace period"
     resumed_from = Path(done.user_attrs["resumed_from"])
     assert resumed_from == newest, "the newest checkpoint that loads (last.ckpt does not)"
 
