@@ -166,7 +166,9 @@ if [ "$DRY" = 1 ]; then  # toy sizes: every step runs its real code path in seco
   CT2=(--device cpu --threads 1 --limit 20 --repeats 1 --more-batches 8)
   ABLATION_EXTRA='{"budget": {"steps": 4}, "final_eval": false}'
   WPG_LIST=(0)  # 0: --workers 2, no GPU
-  L_TESTS=120; L_COMPILE=120; L_BENCH=240; L_CT2=120; L_PEER=240; L_ABL=240
+  # each step takes seconds alone; its limit is a last resort sized for a loaded machine (the suite runs this
+  # beside three other pytest-xdist workers on 2 cores: decode_ct2 ran out of 120 s there, 24 s alone)
+  L_TESTS=600; L_COMPILE=600; L_BENCH=600; L_CT2=600; L_PEER=600; L_ABL=600; L_PAD=480
 else
   BENCH=()
   FIT_ROWS=encdec/attnlab,encdec/attnlab-liger  # the fit takes Liger's loss where it runs: fit_row picks its row
@@ -192,7 +194,7 @@ else
   CT2=(--device cuda --more-batches 256,1024)  # attnlab also in bigger batches than the recipe's 64 sentences
   ABLATION_EXTRA='{}'
   IFS=, read -r -a WPG_LIST <<< "${WPG:-8,16}"
-  L_TESTS=180; L_COMPILE=420; L_BENCH=180; L_CT2=240; L_PEER=480; L_ABL=300
+  L_TESTS=180; L_COMPILE=420; L_BENCH=180; L_CT2=240; L_PEER=480; L_ABL=300; L_PAD=0
 fi
 if [ -n "$MINUTES" ]; then  # a shorter like-for-like pair: attnlab's base model and the peer get the same minutes
   [[ "$MINUTES" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "gpu_run.sh: --minutes $MINUTES: give a number of minutes" >&2; exit 2; }
@@ -207,7 +209,7 @@ step train_compile $L_COMPILE "$PY" bench/train_throughput.py --modes compile --
 
 # ---- part 2: a real fit of the base shape beside its benchmark by wall clock; its model decoded beside CTranslate2
 BASE_FIT_RUN="$OUT/runs/gpu_base_fit"
-step base_fit $((120 + ${BASE_FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit "${BASE[@]}" --trainer.run_name gpu_base_fit \
+step base_fit $((L_PAD + 120 + ${BASE_FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit "${BASE[@]}" --trainer.run_name gpu_base_fit \
   --trainer.max_time_min "$BASE_FIT_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
 step base_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec \
   --only "$FIT_ROWS" --recipe "$BASE_FIT_RUN/config.yaml" --json "$OUT/base_bench.json"
@@ -240,7 +242,7 @@ step decode_ct2 $L_CT2 "${CT2_ENV[@]}" "$PY" bench/decode_vs_ct2.py \
   --ckpt "$BASE_FIT_RUN/checkpoints/last.ckpt" "${CT2[@]}" --json "$OUT/decode_ct2.json"
 
 # ---- part 3: the base model for BLEU: train, average, beam-4 test BLEU and chrF (attnlab demo does all three)
-step base_bleu $((150 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo "${BASE[@]}" --trainer.run_name gpu_base \
+step base_bleu $((L_PAD + 150 + ${BASE_TIME%.*} * 60)) "${ATTNLAB[@]}" demo "${BASE[@]}" --trainer.run_name gpu_base \
   --trainer.max_time_min "$BASE_TIME" "${BASE_EXTRA[@]}" "${BASE_ARGV[@]}"
 if wanted base_bleu; then
   copy_if "$OUT/runs/gpu_base/demo_results.json" "$OUT/base_bleu.json"
@@ -320,11 +322,11 @@ done
 
 # ---- part 6: eager training beside every peer, decoding beside HF, padded attention, the demo recipe's fit
 if [ "$DRY" = 1 ]; then
-  step train_eager 120 "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --only encdec/attnlab,lm/attnlab \
+  step train_eager $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --only encdec/attnlab,lm/attnlab \
     --json "$OUT/train_eager.json"
-  step decode 120 "$PY" bench/decode_throughput.py --cpu --repeats 1 --warmup 1 --tasks mt \
+  step decode $L_BENCH "$PY" bench/decode_throughput.py --cpu --repeats 1 --warmup 1 --tasks mt \
     --only mt/attnlab-greedy,mt/attnlab-beam4 --json "$OUT/decode.json"
-  step padded_attn 120 "$PY" bench/padded_attention.py --dry-run --json "$OUT/padded_attn.json"
+  step padded_attn $L_BENCH "$PY" bench/padded_attention.py --dry-run --json "$OUT/padded_attn.json"
 else
   step train_eager 240 "$PY" bench/train_throughput.py --modes eager --profile --json "$OUT/train_eager.json"
   step decode 300 "$PY" bench/decode_throughput.py --json "$OUT/decode.json"  # 180 s ran out on an H100
@@ -334,7 +336,7 @@ else
     --json "$OUT/padded_attn_sorted.json"
 fi
 DEMO_RUN="$OUT/runs/gpu_demo_fit"
-step demo_fit $((180 + ${FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit -c experiments/demo_en_de.yaml "${DATA[@]}" \
+step demo_fit $((L_PAD + 180 + ${FIT_TIME%.*} * 60)) "${ATTNLAB[@]}" fit -c experiments/demo_en_de.yaml "${DATA[@]}" \
   --trainer.run_name gpu_demo_fit --trainer.max_time_min "$FIT_TIME" \
   $([ "$DRY" = 0 ] && echo --trainer.precision bf16-mixed) "${DEMO_EXTRA[@]}"
 step demo_bench $L_BENCH "$PY" bench/train_throughput.py "${BENCH[@]}" --modes eager --tasks encdec \
