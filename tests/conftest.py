@@ -46,25 +46,15 @@ def apt_install_or_skip(why: str, packages: list[str], suite: str) -> None:
         pytest.skip(f"{why} and `{' '.join(install)}` failed: {(r.stderr or r.stdout)[-500:]}")
 
 
-# make test runs the suite under pytest-xdist (-n 4 --dist loadgroup): 4 workers on 2 cores, since most of the slow
-# tests wait on other processes (SLURM, PostgreSQL, worker fleets). Each test file is one group, run by one worker
-# in its own order, its module fixtures (a SLURM cluster, a reference fit) made once; a test's own xdist_group
-# marker puts it in that group instead. Groups go out in the files' order. (Handing the longest out first measured
-# worse, 28:46 against 19:26: eight CPU-bound groups at once on 2 cores, bench/results/suite_xdist_*.)
-
-
-def xdist_group(item: pytest.Item) -> str:
-    """The group an item runs in under --dist loadgroup: its own marker's, else its file's name."""
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return mark.kwargs.get("name", mark.args[0] if mark.args else "default")
-    return item.path.name
-
-
+# Under pytest-xdist (make test TEST_WORKERS=4: -n 4 --dist loadgroup), each test file is one group, run by one
+# worker in its own order, its module fixtures (a SLURM cluster, a reference fit) made once; a test's own
+# xdist_group marker puts it in that group instead. Groups go out in the files' order: handing the longest out
+# first took 28:46 against 26:56 in the files' order (eight CPU-bound groups at once on 2 cores; the two runs'
+# logs are bench/results/suite_xdist_*_2026-12-08.log).
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def free_port() -> int:
